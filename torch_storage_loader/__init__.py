@@ -1,0 +1,53 @@
+"""Save samples synchronously, load them asynchronously through reusable shared-memory slots.
+
+Public names are imported on first use, so that worker processes, which only read files into
+shared memory, start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "FileStorage": "storage",
+    "FileStorageLoader": "file_loader",
+    "InsufficientSharedMemoryError": "errors",
+    "LoadCancelledError": "errors",
+    "LoaderStats": "loader",
+    "PickleNotAllowedError": "errors",
+    "SampleMismatchError": "errors",
+    "Storage": "storage",
+    "StorageCorruptError": "errors",
+    "StorageError": "errors",
+    "StorageLoader": "loader",
+    "StorageNotFoundError": "errors",
+    "UnsupportedLeafError": "errors",
+    "WorkerDiedError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
+
+if TYPE_CHECKING:
+    from .errors import (InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
+                         SampleMismatchError, StorageCorruptError, StorageError, StorageNotFoundError,
+                         UnsupportedLeafError, WorkerDiedError)
+    from .file_loader import FileStorageLoader
+    from .loader import LoaderStats, StorageLoader
+    from .storage import FileStorage, Storage

@@ -1,0 +1,231 @@
+"""Flatten a sample into a JSON-safe tree spec plus a list of array leaves, and back.
+
+The spec must be stored in a file that is read without unpickling, so it is plain JSON (lists,
+strings, numbers) rather than a pytree library's opaque spec object.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ._format import TORCH_ITEMSIZE, Header
+from .errors import PickleNotAllowedError, StorageCorruptError, UnsupportedLeafError
+
+_LITTLE = np.little_endian
+
+__all__ = ["Leaf", "build", "decode", "encode", "format_path"]
+
+# numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
+_NUMPY_KINDS = frozenset("biufcmMUS")
+# Dense torch dtypes with whole-byte elements that this torch has (older releases lack some float8s).
+_TORCH_DTYPES = {name: getattr(torch, name) for name in TORCH_ITEMSIZE if hasattr(torch, name)}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array-like leaf: what to write, and what it becomes when read back."""
+
+    kind: str  # numpy | numpy_scalar | torch | bytes | pickle
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # 1-D uint8, C-contiguous, little-endian element bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def format_path(path: tuple) -> str:
+    """``('obs', 0)`` -> ``"['obs'][0]"``; the root is ``"<root>"``."""
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+def _treetensor_types() -> dict[type, str]:
+    import treetensor.numpy as tnp
+    import treetensor.torch as ttorch
+
+    return {ttorch.Tensor: "tt", tnp.ndarray: "tn"}
+
+
+def _numpy_leaf(arr: np.ndarray, kind: str, path: tuple) -> Leaf:
+    if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.fields is not None:
+        raise UnsupportedLeafError(
+            f"numpy array at {format_path(path)} has dtype {arr.dtype!r}, which cannot be stored "
+            "as raw bytes; convert it to a numeric dtype, or pass allow_pickle=True",
+            key_path=format_path(path),
+        )
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return Leaf(kind, arr.dtype.str, tuple(arr.shape), data)
+
+
+def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise UnsupportedLeafError(
+            f"tensor at {format_path(path)} has layout {t.layout} on {t.device}; only dense tensors "
+            "are stored: call .to_dense() first, or pass allow_pickle=True",
+            key_path=format_path(path),
+        )
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise UnsupportedLeafError(
+            f"tensor at {format_path(path)} has dtype {t.dtype}, which cannot be stored as raw bytes",
+            key_path=format_path(path),
+        )
+    flat = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+    return Leaf("torch", name, tuple(t.shape), data)
+
+
+def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
+    """Split ``obj`` into a JSON-safe spec and its array leaves (in depth-first order)."""
+    leaves: list[Leaf] = []
+    tree_types = _treetensor_types()
+
+    def add(leaf: Leaf) -> list:
+        leaves.append(leaf)
+        return ["a", len(leaves) - 1]
+
+    def keys_of(mapping, path) -> list:
+        keys = []
+        for k in mapping:
+            if type(k) is str:
+                keys.append(k)
+            elif type(k) is int:
+                keys.append(["int", k])
+            else:
+                raise UnsupportedLeafError(
+                    f"dict at {format_path(path)} has key {k!r} of type {type(k).__name__}; "
+                    "keys must be str or int (or pass allow_pickle=True)",
+                    key_path=format_path(path),
+                )
+        return keys
+
+    def walk(x: Any, path: tuple) -> list:
+        tx = type(x)
+        if tx is dict or tx is collections.OrderedDict:
+            tag = "d" if tx is dict else "od"
+            return [tag, keys_of(x, path), [walk(v, path + (k,)) for k, v in x.items()]]
+        if tx is list or tx is tuple:
+            return ["l" if tx is list else "t", [walk(v, path + (i,)) for i, v in enumerate(x)]]
+        if tx in tree_types:
+            items = list(x.items())
+            return [tree_types[tx], [k for k, _ in items], [walk(v, path + (k,)) for k, v in items]]
+        if tx is np.ndarray:
+            return add(_numpy_leaf(x, "numpy", path))
+        if tx is torch.Tensor or tx is torch.nn.Parameter:
+            return add(_torch_leaf(x, path))
+        if isinstance(x, np.generic) and not isinstance(x, np.object_):
+            return add(_numpy_leaf(np.asarray(x), "numpy_scalar", path))
+        if x is None:
+            return ["n"]
+        if tx is bool:
+            return ["b", x]
+        if tx is int:
+            return ["i", x]
+        if tx is float:
+            return ["f", x.hex()]
+        if tx is complex:
+            return ["c", x.real.hex(), x.imag.hex()]
+        if tx is str:
+            return ["s", x]
+        if tx is bytes or tx is bytearray:
+            return add(Leaf("bytes" if tx is bytes else "bytearray", "|u1", (len(x),),
+                            np.frombuffer(x, np.uint8)))
+        if allow_pickle:
+            blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+            return add(Leaf("pickle", "|u1", (len(blob),), np.frombuffer(blob, np.uint8)))
+        raise UnsupportedLeafError(
+            f"value at {format_path(path)} of type {tx.__module__}.{tx.__qualname__} cannot be stored "
+            "without pickle; store arrays, tensors, scalars, str, bytes, None in dict/list/tuple, "
+            "or pass allow_pickle=True if you trust every reader",
+            key_path=format_path(path),
+        )
+
+    return walk(obj, ()), leaves
+
+
+def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
+    """Rebuild the object of ``spec``; ``make_leaf(i)`` returns array leaf ``i``."""
+    tree_types = None
+
+    def key(k):
+        return k[1] if type(k) is list else k
+
+    def walk(node: list) -> Any:
+        nonlocal tree_types
+        tag = node[0]
+        if tag == "a":
+            return make_leaf(node[1])
+        if tag == "d":
+            return {key(k): walk(v) for k, v in zip(node[1], node[2])}
+        if tag == "l":
+            return [walk(v) for v in node[1]]
+        if tag == "t":
+            return tuple(walk(v) for v in node[1])
+        if tag == "n":
+            return None
+        if tag in ("b", "i", "s"):
+            return node[1]
+        if tag == "f":
+            return float.fromhex(node[1])
+        if tag == "c":
+            return complex(float.fromhex(node[1]), float.fromhex(node[2]))
+        if tag == "od":
+            return collections.OrderedDict((key(k), walk(v)) for k, v in zip(node[1], node[2]))
+        if tag in ("tt", "tn"):
+            if tree_types is None:
+                tree_types = {v: k for k, v in _treetensor_types().items()}
+            raw = {k: walk(v) for k, v in zip(node[1], node[2])}
+            return tree_types[tag](raw)
+        raise ValueError(f"unknown tree node tag {tag!r}")
+
+    return walk(spec)
+
+
+
+def build(header: Header, buf, *, base: int = 0, allow_pickle: bool = False, path: str = "") -> Any:
+    """Rebuild a sample whose data section lies in ``buf`` at ``base``; leaves are views onto ``buf``.
+
+    ``buf`` must be writable (a bytearray, an mmap or a memoryview of one): views keep it alive.
+    """
+    u8 = np.frombuffer(buf, np.uint8)
+
+    def make_leaf(i: int) -> Any:
+        e = header.arrays[i]
+        raw = u8[base + e.offset: base + e.offset + e.nbytes]
+        if e.kind == "numpy":
+            return raw.view(e.dtype).reshape(e.shape)
+        if e.kind == "torch":
+            dtype = _TORCH_DTYPES[e.dtype]
+            if not e.nbytes:
+                return torch.empty(e.shape, dtype=dtype)
+            return torch.from_numpy(raw).view(dtype).reshape(e.shape)
+        if e.kind == "numpy_scalar":
+            return raw.view(e.dtype).reshape(())[()]
+        if e.kind == "bytes":
+            return raw.tobytes()
+        if e.kind == "bytearray":
+            return bytearray(raw)
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{path}: holds a pickled value (leaf {i}); loading it would run code from the file. "
+                "Pass allow_pickle=True only if you trust whoever wrote it",
+                path=path,
+            )
+        return pickle.loads(raw)
+
+    try:
+        return decode(header.spec, make_leaf)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        if isinstance(exc, PickleNotAllowedError):
+            raise
+        raise StorageCorruptError(f"{path}: tree in header is damaged ({type(exc).__name__}: {exc}); "
+                                  "delete the file or save the sample again", path=path) from None

@@ -1,0 +1,169 @@
+"""What a loader worker does: turn a Storage handle into a filled slot (or, failing that, bytes).
+
+Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from multiprocessing.reduction import ForkingPickler
+from dataclasses import dataclass
+from typing import Any
+
+from . import _format
+from ._format import ALIGN, ArrayEntry, Header
+from ._slots import BytesRef, SlotRef, SlotRing, page_round
+from .storage import FileStorage, Storage
+
+__all__ = ["FillInfo", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
+
+GROWTH = 1.25
+
+
+@dataclass(frozen=True)
+class FillInfo:
+    """What the worker did, for stats: ``via`` is "slot" or "fallback"."""
+
+    via: str
+    nbytes: int
+    regrew: bool = False
+
+
+class SlotFiller:
+    """A worker's ring, sized from a hint (the first sample) and regrown when a sample outgrows it."""
+
+    def __init__(self, n_slots: int, slot_size_hint: int = 0) -> None:
+        self.n_slots = n_slots
+        self.hint = slot_size_hint
+        self.ring: SlotRing | None = None
+        self._retired: list[str] = []
+
+    def _slot(self, nbytes: int) -> tuple[tuple[int, int] | None, bool]:
+        regrew = False
+        if self.ring is None or nbytes > self.ring.slot_size:
+            if self.ring is not None:
+                self._retired.append(self.ring.uid)
+                self.ring.close()
+                regrew = True
+                size = int(nbytes * GROWTH)
+            else:
+                size = max(nbytes, self.hint)
+            self.ring = SlotRing(self.n_slots, page_round(size))
+        return self.ring.acquire(), regrew
+
+    def _ref(self, slot: tuple[int, int], header: Header, path: str, allow_pickle: bool) -> SlotRef:
+        ring = self.ring
+        ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, allow_pickle,
+                      segment=None if ring.sent else ring.segment, retired=tuple(self._retired))
+        ring.sent = True
+        self._retired.clear()
+        return ref
+
+    def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
+        """Load ``storage``; returns stats and a picklable payload that unpickles into the sample."""
+        if isinstance(storage, FileStorage) and type(storage).load is FileStorage.load:
+            return self._fill_file(storage.path, storage.allow_pickle)
+        return self.fill_object(storage.load(), allow_pickle=getattr(storage, "allow_pickle", False),
+                                path=repr(storage))
+
+    def _fill_file(self, path: str, allow_pickle: bool) -> tuple[FillInfo, Any]:
+        fd = _format.open_storage(path)
+        try:
+            header = _format.read_header(fd, path)
+            size = header.data_size
+            slot, regrew = self._slot(size) if size else (None, False)
+            if slot is None:
+                data = bytearray(size)
+                _format.preadv_into(fd, [memoryview(data)], header.data_offset, path)
+                return FillInfo("fallback" if size else "slot", size, regrew), BytesRef(header, data, path, allow_pickle)
+            try:
+                _format.preadv_into(fd, [self.ring.view(slot[0], size)], header.data_offset, path)
+            except BaseException:
+                self.ring.unacquire(slot[0])
+                raise
+            return FillInfo("slot", size, regrew), self._ref(slot, header, path, allow_pickle)
+        finally:
+            os.close(fd)
+
+    def fill_object(self, obj: Any, *, allow_pickle: bool, path: str) -> tuple[FillInfo, Any]:
+        """Copy an in-memory sample into a slot (for Storage types that are not files)."""
+        from ._tree import encode
+
+        spec, leaves = encode(obj, allow_pickle=allow_pickle)
+        arrays, offset = [], 0
+        for leaf in leaves:
+            arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
+            offset = -(-(offset + leaf.nbytes) // ALIGN) * ALIGN
+        header = Header(spec, tuple(arrays), 0, offset)
+        slot, regrew = self._slot(offset) if offset else (None, False)
+        if slot is None:
+            data = bytearray(offset)
+            for leaf, e in zip(leaves, arrays):
+                data[e.offset: e.offset + e.nbytes] = leaf.data
+            return FillInfo("fallback" if offset else "slot", offset, regrew), BytesRef(header, data, path, allow_pickle)
+        view = self.ring.view(slot[0], offset)
+        for leaf, e in zip(leaves, arrays):
+            view[e.offset: e.offset + e.nbytes] = leaf.data
+        return FillInfo("slot", offset, regrew), self._ref(slot, header, path, allow_pickle)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; set as ``__cause__`` of the re-raised exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def pack_exception(exc: BaseException) -> tuple[BaseException, str]:
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = RuntimeError(f"{type(exc).__qualname__}: {exc}")
+    return exc, tb
+
+
+def unpack_exception(exc: BaseException, tb: str) -> BaseException:
+    exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
+    return exc
+
+
+def run_worker(conn, n_slots: int, slot_size_hint: int) -> None:
+    """A StorageLoader worker: serve ``(request_id, storage)`` until ``None`` or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    filler = SlotFiller(n_slots, slot_size_hint)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg is None:
+                break
+            request_id, storage = msg
+            try:
+                info, payload = filler.fill(storage)
+                # Pickled here, unpickled apart from the envelope: a failure to map the slot in
+                # the parent is then that request's error, not a broken pipe.
+                reply = (request_id, info, bytes(ForkingPickler.dumps(payload)))
+            except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+                reply = (request_id, None, pack_exception(exc))
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, OSError):
+                break
+    finally:
+        filler.close()
+        conn.close()

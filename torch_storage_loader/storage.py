@@ -1,0 +1,76 @@
+"""Storage handles: tiny, picklable references to where a sample's bytes live."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+from . import _format
+
+__all__ = ["FileStorage", "Storage"]
+
+
+class Storage(ABC):
+    """A handle to one saved sample. Pickle the handle, never the data.
+
+    Subclasses implement ``save`` and ``load``; loaders call ``load`` in worker processes, so a
+    subclass must be importable there (define it in a module, not in a notebook cell, for spawn).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @abstractmethod
+    def save(self, data: Any) -> None: ...
+
+    @abstractmethod
+    def load(self) -> Any: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.path))
+
+
+def _allocate(size: int):
+    # Page-aligned, writable, and released when the last view onto it is gone.
+    return mmap.mmap(-1, size) if size else bytearray()
+
+
+class FileStorage(Storage):
+    """One sample in one file, in this library's format (see ``_format``).
+
+    ``allow_pickle`` lets ``save`` pickle values it cannot store as raw bytes, and ``load`` unpickle
+    them; leave it off unless every writer of the file is trusted.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+        super().__init__(os.fspath(path))
+        self.allow_pickle = allow_pickle
+
+    def save(self, data: Any, *, fsync: bool = False) -> int:
+        """Write ``data`` atomically; returns the file size in bytes."""
+        from ._tree import encode
+
+        spec, leaves = encode(data, allow_pickle=self.allow_pickle)
+        return _format.write(self.path, spec, leaves, fsync=fsync)
+
+    def load(self) -> Any:
+        """Read the sample in this process; its arrays are views onto one private buffer."""
+        from ._tree import build
+
+        header, buf = _format.read_into(self.path, _allocate)
+        return build(header, buf, allow_pickle=self.allow_pickle, path=self.path)
+
+    def read_header(self) -> _format.Header:
+        fd = _format.open_storage(self.path)
+        try:
+            return _format.read_header(fd, self.path)
+        finally:
+            os.close(fd)

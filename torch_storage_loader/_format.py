@@ -146,13 +146,13 @@ def _itemsize(kind: str, dtype: str) -> int:
 
 def parse_header(raw: bytes, path: str, file_size: int | None) -> tuple[Header, int]:
     """Parse a header from the start of a file; returns it and how many bytes it needs in total."""
+    if raw[: len(MAGIC)] != MAGIC[: len(raw)]:
+        raise StorageCorruptError(
+            f"{path}: not a torch_storage_loader file (bad magic {bytes(raw[:8])!r}); pass only files "
+            "written by FileStorage.save or a FileStorageLoader", path=path)
     if len(raw) < FIXED.size:
-        if raw == MAGIC[: len(raw)]:
-            raise _corrupt(path, f"file is truncated ({len(raw)} bytes)")
-        raise _corrupt(path, "not a torch_storage_loader file (bad magic)")
+        raise _corrupt(path, f"file is truncated ({len(raw)} bytes)")
     magic, version, header_len, data_offset, data_size = FIXED.unpack_from(raw)
-    if magic != MAGIC:
-        raise _corrupt(path, "not a torch_storage_loader file (bad magic)")
     if version != VERSION:
         raise StorageCorruptError(
             f"{path}: format version {version}, but this torch_storage_loader reads version {VERSION}; "

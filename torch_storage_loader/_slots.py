@@ -21,7 +21,7 @@ from typing import Any
 from ._format import Header
 from ._shm import ShmSegment
 
-__all__ = ["BytesRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
+__all__ = ["BytesRef", "OneOffRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
 
 PAGE = mmap.PAGESIZE
 CTRL = 4096  # control block: one int64 state word per slot (0 = free, else the lease generation)
@@ -172,3 +172,27 @@ def _receive_bytes(header: Header, data: bytearray, path: str, allow_pickle: boo
     from ._tree import build
 
     return build(header, data, allow_pickle=allow_pickle, path=path)
+
+
+@dataclass
+class OneOffRef:
+    """The fallback when every slot is leased: a segment of its own, owned by the receiver.
+
+    Slower than a slot (fresh pages fault in), but no array bytes cross a pipe, and the memory
+    is freed when the receiver drops the last view.
+    """
+
+    header: Header
+    segment: ShmSegment
+    path: str
+    allow_pickle: bool
+
+    def __reduce__(self):
+        return _receive_oneoff, (self.header, self.segment, self.path, self.allow_pickle)
+
+
+def _receive_oneoff(header: Header, segment: ShmSegment, path: str, allow_pickle: bool) -> Any:
+    from ._tree import build
+
+    anchor = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)
+    return build(header, anchor, allow_pickle=allow_pickle, path=path)

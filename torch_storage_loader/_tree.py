@@ -7,7 +7,9 @@ strings, numbers) rather than a pytree library's opaque spec object.
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,9 +48,14 @@ def format_path(path: tuple) -> str:
     return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
+@functools.cache
 def _treetensor_types() -> dict[type, str]:
-    import treetensor.numpy as tnp
-    import treetensor.torch as ttorch
+    # treetensor warns at import about numpy/torch internals it uses; that is not the user's to fix.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        import treetensor.numpy as tnp
+        import treetensor.torch as ttorch
 
     return {ttorch.Tensor: "tt", tnp.ndarray: "tn"}
 
@@ -84,46 +91,50 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
     return Leaf("torch", name, tuple(t.shape), data)
 
 
-def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
-    """Split ``obj`` into a JSON-safe spec and its array leaves (in depth-first order)."""
-    leaves: list[Leaf] = []
-    tree_types = _treetensor_types()
+def _keys(mapping, path: tuple) -> list:
+    keys = []
+    for k in mapping:
+        if type(k) is str:
+            keys.append(k)
+        elif type(k) is int:
+            keys.append(["int", k])
+        else:
+            raise UnsupportedLeafError(
+                f"dict at {format_path(path)} has key {k!r} of type {type(k).__name__}; "
+                "keys must be str or int (or pass allow_pickle=True)",
+                key_path=format_path(path),
+            )
+    return keys
 
-    def add(leaf: Leaf) -> list:
-        leaves.append(leaf)
-        return ["a", len(leaves) - 1]
 
-    def keys_of(mapping, path) -> list:
-        keys = []
-        for k in mapping:
-            if type(k) is str:
-                keys.append(k)
-            elif type(k) is int:
-                keys.append(["int", k])
-            else:
-                raise UnsupportedLeafError(
-                    f"dict at {format_path(path)} has key {k!r} of type {type(k).__name__}; "
-                    "keys must be str or int (or pass allow_pickle=True)",
-                    key_path=format_path(path),
-                )
-        return keys
+class _Encoder:
+    # A class rather than nested recursive closures: those form reference cycles that would keep
+    # every array alive until the cyclic garbage collector runs.
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self.tree_types = _treetensor_types()
 
-    def walk(x: Any, path: tuple) -> list:
+    def add(self, leaf: Leaf) -> list:
+        self.leaves.append(leaf)
+        return ["a", len(self.leaves) - 1]
+
+    def walk(self, x: Any, path: tuple) -> list:
         tx = type(x)
         if tx is dict or tx is collections.OrderedDict:
-            tag = "d" if tx is dict else "od"
-            return [tag, keys_of(x, path), [walk(v, path + (k,)) for k, v in x.items()]]
+            return ["d" if tx is dict else "od", _keys(x, path),
+                    [self.walk(v, path + (k,)) for k, v in x.items()]]
         if tx is list or tx is tuple:
-            return ["l" if tx is list else "t", [walk(v, path + (i,)) for i, v in enumerate(x)]]
-        if tx in tree_types:
+            return ["l" if tx is list else "t", [self.walk(v, path + (i,)) for i, v in enumerate(x)]]
+        if tx in self.tree_types:
             items = list(x.items())
-            return [tree_types[tx], [k for k, _ in items], [walk(v, path + (k,)) for k, v in items]]
+            return [self.tree_types[tx], [k for k, _ in items], [self.walk(v, path + (k,)) for k, v in items]]
         if tx is np.ndarray:
-            return add(_numpy_leaf(x, "numpy", path))
+            return self.add(_numpy_leaf(x, "numpy", path))
         if tx is torch.Tensor or tx is torch.nn.Parameter:
-            return add(_torch_leaf(x, path))
+            return self.add(_torch_leaf(x, path))
         if isinstance(x, np.generic) and not isinstance(x, np.object_):
-            return add(_numpy_leaf(np.asarray(x), "numpy_scalar", path))
+            return self.add(_numpy_leaf(np.asarray(x), "numpy_scalar", path))
         if x is None:
             return ["n"]
         if tx is bool:
@@ -137,11 +148,11 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
         if tx is str:
             return ["s", x]
         if tx is bytes or tx is bytearray:
-            return add(Leaf("bytes" if tx is bytes else "bytearray", "|u1", (len(x),),
-                            np.frombuffer(x, np.uint8)))
-        if allow_pickle:
+            return self.add(Leaf("bytes" if tx is bytes else "bytearray", "|u1", (len(x),),
+                                 np.frombuffer(x, np.uint8)))
+        if self.allow_pickle:
             blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
-            return add(Leaf("pickle", "|u1", (len(blob),), np.frombuffer(blob, np.uint8)))
+            return self.add(Leaf("pickle", "|u1", (len(blob),), np.frombuffer(blob, np.uint8)))
         raise UnsupportedLeafError(
             f"value at {format_path(path)} of type {tx.__module__}.{tx.__qualname__} cannot be stored "
             "without pickle; store arrays, tensors, scalars, str, bytes, None in dict/list/tuple, "
@@ -149,27 +160,31 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
             key_path=format_path(path),
         )
 
-    return walk(obj, ()), leaves
+
+def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
+    """Split ``obj`` into a JSON-safe spec and its array leaves (in depth-first order)."""
+    encoder = _Encoder(allow_pickle)
+    return encoder.walk(obj, ()), encoder.leaves
 
 
-def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
-    """Rebuild the object of ``spec``; ``make_leaf(i)`` returns array leaf ``i``."""
-    tree_types = None
+def _key(k):
+    return k[1] if type(k) is list else k
 
-    def key(k):
-        return k[1] if type(k) is list else k
 
-    def walk(node: list) -> Any:
-        nonlocal tree_types
+class _Decoder:
+    def __init__(self, make_leaf: Callable[[int], Any]) -> None:
+        self.make_leaf = make_leaf
+
+    def walk(self, node: list) -> Any:
         tag = node[0]
         if tag == "a":
-            return make_leaf(node[1])
+            return self.make_leaf(node[1])
         if tag == "d":
-            return {key(k): walk(v) for k, v in zip(node[1], node[2])}
+            return {_key(k): self.walk(v) for k, v in zip(node[1], node[2])}
         if tag == "l":
-            return [walk(v) for v in node[1]]
+            return [self.walk(v) for v in node[1]]
         if tag == "t":
-            return tuple(walk(v) for v in node[1])
+            return tuple(self.walk(v) for v in node[1])
         if tag == "n":
             return None
         if tag in ("b", "i", "s"):
@@ -179,16 +194,16 @@ def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
         if tag == "c":
             return complex(float.fromhex(node[1]), float.fromhex(node[2]))
         if tag == "od":
-            return collections.OrderedDict((key(k), walk(v)) for k, v in zip(node[1], node[2]))
+            return collections.OrderedDict((_key(k), self.walk(v)) for k, v in zip(node[1], node[2]))
         if tag in ("tt", "tn"):
-            if tree_types is None:
-                tree_types = {v: k for k, v in _treetensor_types().items()}
-            raw = {k: walk(v) for k, v in zip(node[1], node[2])}
-            return tree_types[tag](raw)
+            tree_type = next(t for t, name in _treetensor_types().items() if name == tag)
+            return tree_type({k: self.walk(v) for k, v in zip(node[1], node[2])})
         raise ValueError(f"unknown tree node tag {tag!r}")
 
-    return walk(spec)
 
+def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
+    """Rebuild the object of ``spec``; ``make_leaf(i)`` returns array leaf ``i``."""
+    return _Decoder(make_leaf).walk(spec)
 
 
 def build(header: Header, buf, *, base: int = 0, allow_pickle: bool = False, path: str = "") -> Any:
@@ -225,7 +240,5 @@ def build(header: Header, buf, *, base: int = 0, allow_pickle: bool = False, pat
     try:
         return decode(header.spec, make_leaf)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        if isinstance(exc, PickleNotAllowedError):
-            raise
         raise StorageCorruptError(f"{path}: tree in header is damaged ({type(exc).__name__}: {exc}); "
                                   "delete the file or save the sample again", path=path) from None

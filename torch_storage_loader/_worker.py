@@ -15,7 +15,9 @@ from typing import Any
 
 from . import _format
 from ._format import ALIGN, ArrayEntry, Header
-from ._slots import BytesRef, SlotRef, SlotRing, page_round
+from ._shm import ENV_DIR
+from ._shm import ShmSegment
+from ._slots import BytesRef, OneOffRef, SlotRef, SlotRing, page_round
 from .storage import FileStorage, Storage
 
 __all__ = ["FillInfo", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
@@ -74,11 +76,17 @@ class SlotFiller:
         try:
             header = _format.read_header(fd, path)
             size = header.data_size
-            slot, regrew = self._slot(size) if size else (None, False)
+            if not size:
+                return FillInfo("slot", 0), BytesRef(header, bytearray(), path, allow_pickle)
+            slot, regrew = self._slot(size)
             if slot is None:
-                data = bytearray(size)
-                _format.preadv_into(fd, [memoryview(data)], header.data_offset, path)
-                return FillInfo("fallback" if size else "slot", size, regrew), BytesRef(header, data, path, allow_pickle)
+                segment = ShmSegment(size, purpose="a fallback segment (every slot is still leased)")
+                try:
+                    _format.preadv_into(fd, [memoryview(segment.mm)[:size]], header.data_offset, path)
+                except BaseException:
+                    segment.close()
+                    raise
+                return FillInfo("fallback", size, regrew), OneOffRef(header, segment, path, allow_pickle)
             try:
                 _format.preadv_into(fd, [self.ring.view(slot[0], size)], header.data_offset, path)
             except BaseException:
@@ -98,16 +106,25 @@ class SlotFiller:
             arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
             offset = -(-(offset + leaf.nbytes) // ALIGN) * ALIGN
         header = Header(spec, tuple(arrays), 0, offset)
-        slot, regrew = self._slot(offset) if offset else (None, False)
+        if not offset:
+            return FillInfo("slot", 0), BytesRef(header, bytearray(), path, allow_pickle)
+        slot, regrew = self._slot(offset)
         if slot is None:
-            data = bytearray(offset)
-            for leaf, e in zip(leaves, arrays):
-                data[e.offset: e.offset + e.nbytes] = leaf.data
-            return FillInfo("fallback" if offset else "slot", offset, regrew), BytesRef(header, data, path, allow_pickle)
-        view = self.ring.view(slot[0], offset)
+            segment = ShmSegment(offset, purpose="a fallback segment (every slot is still leased)")
+            view, payload = memoryview(segment.mm), OneOffRef(header, segment, path, allow_pickle)
+            info = FillInfo("fallback", offset, regrew)
+        else:
+            view, payload = self.ring.view(slot[0], offset), self._ref(slot, header, path, allow_pickle)
+            info = FillInfo("slot", offset, regrew)
         for leaf, e in zip(leaves, arrays):
             view[e.offset: e.offset + e.nbytes] = leaf.data
-        return FillInfo("slot", offset, regrew), self._ref(slot, header, path, allow_pickle)
+        return info, payload
+
+    @staticmethod
+    def sent(payload: Any) -> None:
+        """Call once ``payload`` is pickled: a fallback segment is the receiver's from then on."""
+        if isinstance(payload, OneOffRef):
+            payload.segment.close()
 
     def close(self) -> None:
         if self.ring is not None:
@@ -140,9 +157,10 @@ def unpack_exception(exc: BaseException, tb: str) -> BaseException:
     return exc
 
 
-def run_worker(conn, n_slots: int, slot_size_hint: int) -> None:
+def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str) -> None:
     """A StorageLoader worker: serve ``(request_id, storage)`` until ``None`` or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    os.environ[ENV_DIR] = shm_directory
     filler = SlotFiller(n_slots, slot_size_hint)
     try:
         while True:
@@ -158,6 +176,8 @@ def run_worker(conn, n_slots: int, slot_size_hint: int) -> None:
                 # Pickled here, unpickled apart from the envelope: a failure to map the slot in
                 # the parent is then that request's error, not a broken pipe.
                 reply = (request_id, info, bytes(ForkingPickler.dumps(payload)))
+                filler.sent(payload)
+                del payload
             except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
                 reply = (request_id, None, pack_exception(exc))
             try:

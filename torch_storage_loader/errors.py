@@ -27,9 +27,7 @@ class StorageError(Exception):
 
 
 def _rebuild_error(cls, message, attrs):
-    exc = cls.__new__(cls)
-    StorageError.__init__(exc, message, **attrs)
-    return exc
+    return cls(message, **attrs)
 
 
 class StorageCorruptError(StorageError, ValueError):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import importlib
 import logging
 import multiprocessing as mp
-import multiprocessing.connection
 import os
+import selectors
 import threading
 import time
 import weakref
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
+from ._shm import shm_dir
 from ._slots import retire_rings
 from ._worker import run_worker, unpack_exception
 from .errors import LoadCancelledError, WorkerDiedError
@@ -76,6 +78,11 @@ class _Worker:
 
 
 _live: weakref.WeakSet = weakref.WeakSet()
+
+# multiprocessing terminates daemon children from its own atexit hook, registered when
+# multiprocessing.util is first imported. Import it first, so that (atexit being LIFO) loaders
+# shut their workers down cleanly before that hook runs.
+importlib.import_module("multiprocessing.util")
 
 
 @atexit.register
@@ -141,8 +148,10 @@ class StorageLoader(ABC):
     def load(self, storage: Storage, callback: Callable[[Any], None]) -> Future:
         """Load ``storage`` in a worker, then call ``callback(obj)`` on the receiving thread.
 
-        Returns at once. A failure is logged and set on the returned ``Future``; the callback is
-        not called then. A callback that raises is logged; the loader keeps serving.
+        Returns at once. The returned ``Future`` resolves to ``None`` once the callback has run
+        (it does not hold the sample, so keeping futures around keeps no slot leased), or to the
+        error: a failure is logged and set on it, and the callback is not called then. A callback
+        that raises is logged; the loader keeps serving.
         """
         return self._submit(storage, callback)
 
@@ -261,7 +270,9 @@ class StorageLoader(ABC):
 
     def _spawn(self, index: int) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=run_worker, args=(child, self._slots, self._hint),
+        # The shared-memory directory is passed explicitly: a forkserver started earlier would
+        # otherwise hand its own, older environment to the worker.
+        proc = self._ctx.Process(target=run_worker, args=(child, self._slots, self._hint, shm_dir()),
                                  name=f"tsl-loader-worker-{index}", daemon=True)
         proc.start()
         child.close()
@@ -283,7 +294,7 @@ class StorageLoader(ABC):
                     req.waited = True
                 return
             req = self._pending.popleft()
-            if not req.future.set_running_or_notify_cancel():
+            if not req.future.running() and not req.future.set_running_or_notify_cancel():
                 self._on_finish(req.storage)
                 continue
             if req.waited:
@@ -307,36 +318,48 @@ class StorageLoader(ABC):
                 os.close(fd)
 
     def _loop(self, stop: threading.Event, wake_r: int) -> None:
-        while True:
-            with self._lock:
-                if stop.is_set():
-                    return
-                workers = list(self._workers)
-            by_conn = {w.conn: w for w in workers}
-            by_sentinel = {w.proc.sentinel: w for w in workers}
-            ready = mp.connection.wait([wake_r, *by_conn, *by_sentinel])
-            for obj in ready:
-                if obj == wake_r:
-                    try:
-                        os.read(wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif obj in by_conn:
-                    if not self._receive(by_conn[obj]):
-                        self._on_death(by_conn[obj])
-                else:
-                    self._on_death(by_sentinel[obj])
+        # One selector for the thread's life, re-registered only when the set of workers changes.
+        with selectors.DefaultSelector() as selector:
+            selector.register(wake_r, selectors.EVENT_READ, None)
+            registered: dict[_Worker, tuple[int, int]] = {}
             while True:
+                while True:  # samples loaded in-process (the first meet)
+                    with self._lock:
+                        if not self._ready:
+                            break
+                        req, obj = self._ready.popleft()
+                    self._count_delivery(None, obj)
+                    self._finish(req, result=obj)
+                    del obj
                 with self._lock:
-                    if not self._ready:
-                        break
-                    req, obj = self._ready.popleft()
-                self._count_delivery(None, obj)
-                self._finish(req, result=obj)
-                del obj
-            with self._lock:
-                if not stop.is_set():
+                    if stop.is_set():
+                        return
                     self._dispatch_locked()
+                    workers = list(self._workers)
+                if workers != list(registered):
+                    for fds in registered.values():
+                        for fd in fds:
+                            selector.unregister(fd)
+                    registered = {}
+                    for w in workers:  # by descriptor number: a closed Connection has no fileno()
+                        registered[w] = (w.conn.fileno(), w.proc.sentinel)
+                        selector.register(registered[w][0], selectors.EVENT_READ, (w, True))
+                        selector.register(registered[w][1], selectors.EVENT_READ, (w, False))
+                for key, _ in selector.select():
+                    if key.data is None:
+                        try:
+                            os.read(wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                        continue
+                    worker, is_conn = key.data
+                    if worker not in registered:
+                        continue
+                    if is_conn and self._receive(worker):
+                        continue
+                    for fd in registered.pop(worker):
+                        selector.unregister(fd)
+                    self._on_death(worker)
 
     def _receive(self, worker: _Worker) -> bool:
         """Handle one reply; False when the worker's pipe is closed."""
@@ -422,7 +445,7 @@ class StorageLoader(ABC):
                     logger.exception("callback %r raised while handling %r; the loader goes on",
                                      req.callback, req.storage)
             if not req.future.done():
-                req.future.set_result(result)
+                req.future.set_result(result if req.callback is None else None)
         self._on_finish(req.storage)
         with self._cond:
             self._cond.notify_all()

@@ -1,0 +1,160 @@
+"""FileStorageLoader against in-process pickle.load and a raw readinto, on the same samples.
+
+Prints one JSON line per consumer ("drop": the callback drops each sample; "keep": it keeps them
+all), plus one for save against a raw write. Run: python benchmarks/bench_loader.py [--samples N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from torch_storage_loader import FileStorage, FileStorageLoader
+
+
+def trajectory(i: int) -> dict:
+    rng = np.random.default_rng(i)
+    return {
+        "obs": rng.random((64, 4, 84, 84), dtype=np.float32),
+        "action": torch.from_numpy(rng.integers(0, 6, 64)),
+        "reward": rng.random(64, dtype=np.float32),
+        "done": np.zeros(64, bool),
+    }
+
+
+def sample_bytes(sample: dict) -> list[memoryview]:
+    return [memoryview(np.ascontiguousarray(v if isinstance(v, np.ndarray) else v.numpy())).cast("B")
+            for v in sample.values()]
+
+
+def timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def figures(name: str, n: int, nbytes: int, wall: float, cpu: float) -> dict:
+    gb = nbytes / 1e9
+    return {"path": name, "samples_per_s": round(n / wall, 1), "gb_per_s": round(gb / wall, 3),
+            "main_cpu_s_per_gb": round(cpu / gb, 3)}
+
+
+def bench_save(workdir: str, samples: list[dict]) -> dict:
+    nbytes = sum(sum(len(b) for b in sample_bytes(s)) for s in samples)
+    raw_dir, tsl_dir = os.path.join(workdir, "raw"), os.path.join(workdir, "saved")
+    os.makedirs(raw_dir)
+
+    def raw_write():
+        for i, s in enumerate(samples):
+            fd = os.open(os.path.join(raw_dir, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            for b in sample_bytes(s):
+                os.write(fd, b)
+            os.close(fd)
+
+    loader = FileStorageLoader(tsl_dir, ttl=None)
+    results = {}
+    for _ in range(2):  # alternate, keep the best of each: the disk is shared and noisy
+        for name, fn in (("raw_write", raw_write), ("save", lambda: [loader.save(s) for s in samples])):
+            wall, _ = timed(fn)
+            results[name] = min(results.get(name, wall), wall)
+    loader.shutdown()
+    shutil.rmtree(raw_dir)
+    return {"bench": "save", "samples": len(samples), "bytes": nbytes,
+            "raw_write_gb_per_s": round(nbytes / results["raw_write"] / 1e9, 3),
+            "save_gb_per_s": round(nbytes / results["save"] / 1e9, 3),
+            "save_over_raw": round(results["raw_write"] / results["save"], 3)}
+
+
+def bench_load(workdir: str, samples: list[dict], keep: bool, workers: int) -> dict:
+    n = len(samples)
+    storages = [FileStorage(os.path.join(workdir, f"{i}.tsl")) for i in range(n)]
+    pickles = [os.path.join(workdir, f"{i}.pkl") for i in range(n)]
+    for s, p, sample in zip(storages, pickles, samples):
+        s.save(sample)
+        with open(p, "wb") as f:
+            pickle.dump(sample, f, protocol=pickle.HIGHEST_PROTOCOL)
+    nbytes = sum(s.read_header().data_size for s in storages)
+    sink: list = []
+
+    def consume(obj):
+        if keep:
+            sink.append(obj)
+        else:
+            for leaf in obj.values():  # touch every leaf, as a trainer would
+                leaf[0]
+
+    def run_pickle():
+        for p in pickles:
+            with open(p, "rb") as f:
+                consume(pickle.load(f))
+
+    buf = bytearray(max(s.read_header().data_size for s in storages))
+
+    def run_readinto():
+        for s in storages:
+            header = s.read_header()
+            with open(s.path, "rb", buffering=0) as f:
+                f.seek(header.data_offset)
+                f.readinto(memoryview(buf)[: header.data_size])
+
+    loader = FileStorageLoader(os.path.join(workdir, "unused"), worker_num=workers)
+    for s in storages[:workers * 2]:  # start the workers and size their rings
+        loader.load_async(s).result()
+    done = threading.Semaphore(0)
+
+    def run_loader():
+        def cb(obj):
+            consume(obj)
+            done.release()
+        for s in storages:
+            loader.load(s, cb)
+        for _ in storages:
+            done.acquire()
+
+    out = {"bench": "load", "consumer": "keep" if keep else "drop", "samples": n, "bytes": nbytes}
+    rows = {}
+    for name, fn in (("pickle_load", run_pickle), ("loader", run_loader), ("readinto", run_readinto)):
+        sink.clear()
+        wall, cpu = timed(fn)
+        rows[name] = figures(name, n, nbytes, wall, cpu)
+    sink.clear()
+    stats = loader.stats()
+    loader.shutdown()
+    for p in pickles:
+        os.remove(p)
+    for s in storages:
+        os.remove(s.path)
+    out["paths"] = list(rows.values())
+    out["loader_over_pickle_throughput"] = round(rows["loader"]["gb_per_s"] / rows["pickle_load"]["gb_per_s"], 2)
+    out["loader_cpu_per_gb_over_pickle"] = round(
+        rows["loader"]["main_cpu_s_per_gb"] / rows["pickle_load"]["main_cpu_s_per_gb"], 3)
+    out["loader_stats"] = {k: stats.as_dict()[k] for k in ("slot_loads", "fallbacks", "regrows")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    samples = [trajectory(i) for i in range(args.samples)]
+    workdir = tempfile.mkdtemp(prefix="tsl-bench-")
+    try:
+        for keep in (False, True):
+            print(json.dumps(bench_load(workdir, samples, keep, args.workers)), flush=True)
+        print(json.dumps(bench_save(workdir, samples)), flush=True)
+    finally:
+        shutil.rmtree(workdir)
+
+
+if __name__ == "__main__":
+    main()

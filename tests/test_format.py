@@ -1,0 +1,135 @@
+"""The on-disk format: exact bytes, defensive header parsing, atomic writes, and a fuzzer."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_storage_loader import FileStorage, PickleNotAllowedError, StorageCorruptError, StorageNotFoundError
+from torch_storage_loader import _format
+
+
+def test_exact_bytes(tmp_path):
+    path = tmp_path / "a.tsl"
+    FileStorage(path).save({"a": np.array([1, 2], dtype="<i2"), "b": 1.5})
+    header = b'{"arrays":[["numpy","<i2",[2],0,4]],"tree":["d",["a","b"],[["a",0],["f","0x1.8000000000000p+0"]]]}'
+    data_offset = -(-(32 + len(header)) // 64) * 64
+    expected = (
+        b"TSLSTOR\x00" + struct.pack("<IIQQ", 1, len(header), data_offset, 64) + header
+        + bytes(data_offset - 32 - len(header))
+        + b"\x01\x00\x02\x00" + bytes(60)
+    )
+    assert path.read_bytes() == expected
+
+
+def test_arrays_are_aligned_and_little_endian(tmp_path):
+    path = tmp_path / "a.tsl"
+    big = np.arange(5, dtype=">u4")
+    FileStorage(path).save([np.zeros(3, np.uint8), big, torch.arange(3, dtype=torch.int16)])
+    header = FileStorage(path).read_header()
+    assert header.data_offset % 64 == 0
+    assert [e.offset % 64 for e in header.arrays] == [0, 0, 0]
+    raw = path.read_bytes()
+    e = header.arrays[1]
+    assert e.dtype == "<u4"
+    start = header.data_offset + e.offset
+    assert raw[start: start + e.nbytes] == np.arange(5, dtype="<u4").tobytes()
+    back = FileStorage(path).load()
+    assert back[1].dtype == np.dtype("<u4") and back[1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_deterministic(tmp_path):
+    obj = {"z": np.arange(3), "a": [torch.ones(2), "s", None]}
+    FileStorage(tmp_path / "1").save(obj)
+    FileStorage(tmp_path / "2").save(obj)
+    assert (tmp_path / "1").read_bytes() == (tmp_path / "2").read_bytes()
+
+
+def _saved(tmp_path) -> bytes:
+    path = tmp_path / "good.tsl"
+    FileStorage(path).save({"obs": np.arange(100, dtype=np.float32), "n": 3})
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b[:20], "truncated"),
+    (lambda b: b[:5], "truncated"),
+    (lambda b: b + b"x", "trailing"),
+    (lambda b: b"PK\x03\x04" + b[4:], "not a torch_storage_loader file"),
+    (lambda b: b"", "truncated"),
+    (lambda b: b[:8] + struct.pack("<I", 9) + b[12:], "version 9"),
+    (lambda b: b[:40] + b"\xff" + b[41:], "header is damaged"),
+])
+def test_bad_files_name_the_path(tmp_path, mutate, words):
+    path = tmp_path / "bad.tsl"
+    path.write_bytes(mutate(_saved(tmp_path)))
+    with pytest.raises(StorageCorruptError) as info:
+        FileStorage(path).load()
+    assert str(path) in str(info.value) and words in str(info.value)
+    assert info.value.path == str(path)
+
+
+def test_pickle_of_a_header_cannot_sneak_in(tmp_path):
+    raw = _saved(tmp_path)
+    bad = raw.replace(b'"numpy","<f4"', b'"numpy","|O8"')
+    (tmp_path / "obj.tsl").write_bytes(bad)
+    with pytest.raises(StorageCorruptError):
+        FileStorage(tmp_path / "obj.tsl").load()
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(StorageNotFoundError, match="no such storage file"):
+        FileStorage(tmp_path / "nope.tsl").load()
+
+
+def test_pickle_leaf_needs_opt_in_to_load(tmp_path):
+    path = tmp_path / "p.tsl"
+    FileStorage(path, allow_pickle=True).save({"f": {1, 2}})
+    with pytest.raises(PickleNotAllowedError, match="allow_pickle=True"):
+        FileStorage(path).load()
+    assert FileStorage(path, allow_pickle=True).load() == {"f": {1, 2}}
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "a.tsl"
+    FileStorage(path).save({"old": np.zeros(4)})
+
+    def broken_writev(fd, bufs):
+        os.write(fd, b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_format.os, "writev", broken_writev)
+    with pytest.raises(OSError, match="No space"):
+        FileStorage(path).save({"new": np.ones(1000)})
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+    assert list(FileStorage(path).load()) == ["old"]  # the old content is intact
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_fuzz_damaged_files_raise_only_corrupt_errors(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    raw = bytearray(_saved(tmp))
+    for _ in range(data.draw(st.integers(1, 4))):
+        action = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = data.draw(st.integers(0, max(len(raw) - 1, 0)))
+        if action == "flip" and raw:
+            raw[pos] ^= data.draw(st.integers(1, 255))
+        elif action == "cut":
+            del raw[pos:]
+        else:
+            raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+    path = tmp / "f.tsl"
+    path.write_bytes(bytes(raw))
+    try:
+        FileStorage(path).load()
+    except StorageCorruptError as exc:
+        assert str(path) in str(exc)

@@ -1,0 +1,303 @@
+"""StorageLoader / FileStorageLoader with real worker processes, files and shared memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+
+from _helpers import KillStorage, MemoryStorage, SleepStorage
+from conftest import START_METHODS, assert_same, traj
+from torch_storage_loader import (FileStorage, FileStorageLoader, InsufficientSharedMemoryError, LoadCancelledError,
+                                  StorageCorruptError, StorageNotFoundError, WorkerDiedError)
+from torch_storage_loader._shm import ShmSegment
+
+
+def collect(loader, storages, keep=True, timeout=60):
+    got, lock = {}, threading.Lock()
+
+    def cb(i):
+        def inner(obj):
+            with lock:
+                got[i] = obj if keep else None
+        return inner
+
+    futures = [loader.load(s, cb(i)) for i, s in enumerate(storages)]
+    for f in futures:
+        f.result(timeout=timeout)
+    return [got[i] for i in range(len(storages))]
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_roundtrip_through_workers(tmp_store, method):
+    samples = [
+        traj(0),
+        ttorch.Tensor({"obs": torch.ones(8, 4, 8, 8), "a": {"b": torch.arange(8)}}),
+        [np.arange(5), (torch.tensor(2.5, dtype=torch.bfloat16), None, "s", b"b")],
+        torch.zeros(3, 0),
+        np.float64(3.0),
+        {"deep": [[[{"x": np.ones((2, 2), np.complex64)}]]]},
+    ] + [traj(i) for i in range(1, 8)]
+    with FileStorageLoader(tmp_store, worker_num=2, mp_context=method) as loader:
+        storages = [loader.save(s) for s in samples]
+        out = collect(loader, storages)
+        stats = loader.stats()
+    for a, b in zip(samples, out):
+        assert_same(a, b)
+    assert stats.loads == len(samples) and stats.errors == 0
+    # The first load runs in-process; the rest fill slots until all 2x4 are held, then fall back.
+    assert stats.slot_loads + stats.fallbacks == len(samples) - 1 and stats.slot_loads >= 4
+    assert not tmp_store.exists() or not list(tmp_store.iterdir())  # shutdown removed its files
+
+
+def test_kept_samples_are_never_overwritten(tmp_store):
+    with FileStorageLoader(tmp_store, worker_num=2, slots_per_worker=2) as loader:
+        storages = [loader.save(traj(i)) for i in range(20)]
+        out = collect(loader, storages, keep=True)
+        more = collect(loader, [loader.save(traj(100 + i)) for i in range(10)], keep=True)
+        stats = loader.stats()
+    for i, sample in enumerate(out):
+        assert_same(traj(i), sample)  # still intact after 10 more loads
+    for i, sample in enumerate(more):
+        assert_same(traj(100 + i), sample)
+    assert stats.fallbacks > 0 and stats.slot_loads >= 4
+
+
+def test_dropped_samples_free_their_slots(tmp_store):
+    with FileStorageLoader(tmp_store, worker_num=2, slots_per_worker=4) as loader:
+        storages = [loader.save(traj(i)) for i in range(30)]
+        collect(loader, storages, keep=False)
+        stats = loader.stats()
+    assert stats.fallbacks == 0 and stats.slot_loads == 29
+
+
+def test_later_samples_that_differ_are_delivered_exactly(tmp_store):
+    samples = [
+        traj(0, n=4),  # in-process: sizes the rings
+        traj(5, n=4),
+        traj(1, n=40),  # larger: the ring regrows
+        {"obs": np.zeros((3, 3), np.float64)},  # different structure and dtype
+        [traj(2, n=2), traj(3, n=3)],  # a list of another length
+        traj(4, n=1),  # smaller again
+        {"obs": torch.arange(10).reshape(2, 5).T},  # non-contiguous
+    ]
+    with FileStorageLoader(tmp_store, worker_num=1) as loader:
+        out = collect(loader, [loader.save(s) for s in samples])
+        stats = loader.stats()
+    for a, b in zip(samples, out):
+        assert_same(a, b)
+    assert stats.regrows >= 1 and stats.errors == 0
+
+
+def test_non_file_storages_use_the_slot_path():
+    samples = [traj(i) for i in range(6)]
+    with FileStorageLoader("unused", worker_num=2) as loader:
+        out = collect(loader, [MemoryStorage(s) for s in samples])
+        stats = loader.stats()
+    for a, b in zip(samples, out):
+        assert_same(a, b)
+    assert stats.slot_loads == 5
+
+
+def test_bad_files_fail_their_future_and_the_loader_goes_on(tmp_store, caplog):
+    with FileStorageLoader(tmp_store, worker_num=2) as loader:
+        good = loader.save(traj(1))
+        assert_same(traj(1), loader.load_async(good).result(timeout=30))  # starts the workers
+        truncated, corrupt, foreign = (loader.save(traj(i)) for i in range(3))
+        with open(truncated.path, "r+b") as f:
+            f.truncate(100)
+        with open(corrupt.path, "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff\xff")
+        with open(foreign.path, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n" + bytes(100))
+        missing = FileStorage(tmp_store / "missing.tsl")
+        called = []
+        with caplog.at_level(logging.WARNING, logger="torch_storage_loader"):
+            futures = {s: loader.load(s, called.append) for s in (truncated, corrupt, foreign, missing)}
+            for s, f in futures.items():
+                exc = f.exception(timeout=30)
+                assert isinstance(exc, StorageCorruptError if s is not missing else StorageNotFoundError)
+                assert s.path in str(exc)
+                assert "Traceback" in str(exc.__cause__)  # the worker's traceback
+        assert called == []
+        assert sum(s.path in r.getMessage() for r in caplog.records for s in futures) == 4
+        assert_same(traj(1), loader.load_async(good).result(timeout=30))
+        assert loader.stats().errors == 4
+
+
+def test_a_raising_callback_is_logged_and_the_loader_goes_on(tmp_store, caplog):
+    def bad(obj):
+        raise ValueError("boom in callback")
+
+    with FileStorageLoader(tmp_store, worker_num=1) as loader:
+        s = loader.save(traj(1))
+        with caplog.at_level(logging.ERROR, logger="torch_storage_loader"):
+            loader.load(s, bad).result(timeout=30)
+            loader.load(s, bad).result(timeout=30)
+        assert_same(traj(1), loader.load_async(s).result(timeout=30))
+    assert sum("boom in callback" in (r.exc_text or "") for r in caplog.records) == 2
+
+
+def test_a_killed_worker_is_replaced_and_its_load_retried(tmp_path):
+    with FileStorageLoader(tmp_path / "s", worker_num=2) as loader:
+        loader.load_async(MemoryStorage(traj(0))).result(timeout=30)
+        once = loader.load_async(KillStorage(str(tmp_path / "marker")))
+        assert once.result(timeout=60)["survived"].tolist() == [1]
+        always = loader.load_async(KillStorage(None))
+        assert isinstance(always.exception(timeout=60), WorkerDiedError)
+        assert_same(traj(5), loader.load_async(MemoryStorage(traj(5))).result(timeout=30))
+        stats = loader.stats()
+    assert stats.worker_restarts == 3 and stats.retries == 2
+
+
+def test_ttl_spares_queued_files_and_counts_expired_ones(tmp_store):
+    with FileStorageLoader(tmp_store, ttl=0.3, worker_num=1, max_inflight_per_worker=1) as loader:
+        loader.load_async(MemoryStorage(traj(0))).result(timeout=30)  # start the worker
+        blocker = loader.load_async(SleepStorage(1.5))
+        queued = loader.save(traj(1))
+        never = loader.save(traj(2))
+        future = loader.load_async(queued)  # waits behind the sleeper well past the ttl
+        blocker.result(timeout=30)
+        assert_same(traj(1), future.result(timeout=30))
+        deadline = time.monotonic() + 10
+        while os.path.exists(never.path) or os.path.exists(queued.path):
+            assert time.monotonic() < deadline, "expired files were not deleted"
+            time.sleep(0.05)
+        stats = loader.stats()
+    assert stats.expired == 2 and stats.expired_unloaded == 1
+
+
+def test_shutdown_waits_for_pending_loads(tmp_store):
+    loader = FileStorageLoader(tmp_store, worker_num=2)
+    storages = [loader.save(traj(i)) for i in range(12)]
+    futures = [loader.load_async(s) for s in storages]
+    loader.shutdown()
+    for i, f in enumerate(futures):
+        assert f.done()
+        assert_same(traj(i), f.result())
+
+
+def test_shutdown_timeout_fails_what_is_left(tmp_store):
+    loader = FileStorageLoader(tmp_store, worker_num=1)
+    loader.load_async(MemoryStorage(traj(0))).result(timeout=30)
+    slow = [loader.load_async(SleepStorage(2)) for _ in range(3)]
+    loader.shutdown(timeout=0.2)
+    for f in slow:
+        assert isinstance(f.exception(timeout=0), LoadCancelledError)
+
+
+def test_loader_is_reusable_after_shutdown(tmp_store):
+    loader = FileStorageLoader(tmp_store, worker_num=1)
+    for round_ in range(2):
+        s = loader.save(traj(round_))
+        assert_same(traj(round_), loader.load_async(s).result(timeout=30))
+        assert_same(traj(round_), loader.load_async(s).result(timeout=30))
+        loader.shutdown()
+
+
+def test_to_storage_alias_and_validation(tmp_store):
+    with pytest.raises(ValueError, match="worker_num=0 must be >= 1"):
+        FileStorageLoader(tmp_store, worker_num=0)
+    with pytest.raises(ValueError, match="ttl=0 must be > 0"):
+        FileStorageLoader(tmp_store, ttl=0)
+    with FileStorageLoader(tmp_store) as loader:
+        s = loader.to_storage({"a": np.ones(2)})
+        assert isinstance(s, FileStorage) and os.path.dirname(s.path) == str(tmp_store)
+        with pytest.raises(TypeError, match="Storage handle"):
+            loader.load("not a storage", print)
+
+
+def test_too_little_shared_memory_is_a_clear_error():
+    with pytest.raises(InsufficientSharedMemoryError, match="--shm-size") as info:
+        ShmSegment(1 << 52)
+    assert info.value.needed == 1 << 52
+
+
+@pytest.fixture
+def tiny_shm(tmp_path, monkeypatch):
+    where = tmp_path / "tiny"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    monkeypatch.setenv("TORCH_STORAGE_LOADER_SHM_DIR", str(where))
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_small_dev_shm_fails_the_load_with_the_fix_not_a_bus_error(tmp_store, tiny_shm):
+    big = {"obs": np.ones((1 << 20,), np.float32)}  # 4 MiB a slot, 1 MiB of tmpfs
+    with FileStorageLoader(tmp_store, worker_num=1) as loader:
+        s = loader.save(big)
+        loader.load_async(s).result(timeout=30)  # the first load runs in-process
+        exc = loader.load_async(s).exception(timeout=30)
+    assert isinstance(exc, InsufficientSharedMemoryError)
+    assert "shm-size" in str(exc) and str(tiny_shm) in str(exc)
+
+
+CLEAN_EXIT = """
+import numpy as np, sys
+from torch_storage_loader import FileStorageLoader
+if __name__ == "__main__":
+    loader = FileStorageLoader(sys.argv[1], worker_num=2, mp_context=sys.argv[2])
+    handles = [loader.save({"x": np.full(1000, i)}) for i in range(10)]
+    kept = [loader.load_async(h).result(timeout=60) for h in handles]
+    assert [int(k["x"][0]) for k in kept] == list(range(10))
+    print("done", flush=True)
+    # no shutdown(): interpreter exit must clean up
+"""
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_clean_exit_under_dev_mode_and_werror(tmp_path, method):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(CLEAN_EXIT))
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, "-X", "dev", "-W", "error", str(script), str(tmp_path / "s"), method],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done"
+    assert proc.stderr == "", proc.stderr
+    assert set(os.listdir("/dev/shm")) <= before
+    assert not list((tmp_path / "s").iterdir())
+
+
+CTRL_C = """
+import os, sys, time, numpy as np
+from torch_storage_loader import FileStorageLoader
+if __name__ == "__main__":
+    with FileStorageLoader(sys.argv[1], worker_num=2) as loader:
+        h = loader.save({"x": np.zeros(100000)})
+        loader.load_async(h).result()
+        loader.load_async(h).result()
+        print(*[w.proc.pid for w in loader._workers], flush=True)
+        while True:
+            loader.load(h, lambda obj: None)
+            time.sleep(0.001)
+"""
+
+
+def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(CTRL_C))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    proc.send_signal(2)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not list((tmp_path / "s").iterdir())

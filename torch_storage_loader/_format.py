@@ -24,13 +24,13 @@ import os
 import struct
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import StorageCorruptError, StorageNotFoundError
 
-__all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "VERSION", "read_header", "read_into", "write"]
+__all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "ReadOptions", "VERSION", "read_header", "read_into", "write"]
 
 MAGIC = b"TSLSTOR\x00"
 VERSION = 1
@@ -49,6 +49,13 @@ TORCH_ITEMSIZE = {
 }
 BYTE_KINDS = ("bytes", "bytearray", "pickle")
 KINDS = ("numpy", "numpy_scalar", "torch") + BYTE_KINDS
+
+
+class ReadOptions(NamedTuple):
+    """How a reader turns bytes back into objects."""
+
+    allow_pickle: bool = False  # unpickle "pickle" leaves (runs code from the file)
+    as_tensors: bool = False  # numeric numpy leaves become torch tensors (no copy), as DataLoader does
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from ._format import Header
+from ._format import Header, ReadOptions
 from ._shm import ShmSegment
 
 __all__ = ["BytesRef", "OneOffRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
@@ -127,16 +127,16 @@ class SlotRef:
     slot_size: int
     header: Header
     path: str
-    allow_pickle: bool
+    opts: ReadOptions
     segment: ShmSegment | None = None
     retired: tuple[str, ...] = ()
 
     def __reduce__(self):
         return _receive_slot, (self.ring_uid, self.slot, self.generation, self.slot_size, self.header,
-                               self.path, self.allow_pickle, self.segment, self.retired, os.getpid())
+                               self.path, self.opts, self.segment, self.retired, os.getpid())
 
 
-def _receive_slot(ring_uid, slot, generation, slot_size, header, path, allow_pickle, segment, retired, pid):
+def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, segment, retired, pid):
     from ._tree import build
 
     with _rings_lock:
@@ -152,7 +152,7 @@ def _receive_slot(ring_uid, slot, generation, slot_size, header, path, allow_pic
     # the exporter, while intermediate memoryviews may be dropped early.
     anchor = (ctypes.c_ubyte * header.data_size).from_buffer(ring.mm, CTRL + slot * ring.slot_size)
     weakref.finalize(anchor, ring.release, slot, generation)
-    return build(header, anchor, allow_pickle=allow_pickle, path=path)
+    return build(header, anchor, opts, path=path)
 
 
 @dataclass
@@ -162,16 +162,16 @@ class BytesRef:
     header: Header
     data: bytearray
     path: str
-    allow_pickle: bool
+    opts: ReadOptions
 
     def __reduce__(self):
-        return _receive_bytes, (self.header, self.data, self.path, self.allow_pickle)
+        return _receive_bytes, (self.header, self.data, self.path, self.opts)
 
 
-def _receive_bytes(header: Header, data: bytearray, path: str, allow_pickle: bool) -> Any:
+def _receive_bytes(header: Header, data: bytearray, path: str, opts: ReadOptions) -> Any:
     from ._tree import build
 
-    return build(header, data, allow_pickle=allow_pickle, path=path)
+    return build(header, data, opts, path=path)
 
 
 @dataclass
@@ -185,14 +185,14 @@ class OneOffRef:
     header: Header
     segment: ShmSegment
     path: str
-    allow_pickle: bool
+    opts: ReadOptions
 
     def __reduce__(self):
-        return _receive_oneoff, (self.header, self.segment, self.path, self.allow_pickle)
+        return _receive_oneoff, (self.header, self.segment, self.path, self.opts)
 
 
-def _receive_oneoff(header: Header, segment: ShmSegment, path: str, allow_pickle: bool) -> Any:
+def _receive_oneoff(header: Header, segment: ShmSegment, path: str, opts: ReadOptions) -> Any:
     from ._tree import build
 
     anchor = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)
-    return build(header, anchor, allow_pickle=allow_pickle, path=path)
+    return build(header, anchor, opts, path=path)

@@ -16,12 +16,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ._format import TORCH_ITEMSIZE, Header
+from ._format import TORCH_ITEMSIZE, Header, ReadOptions
 from .errors import PickleNotAllowedError, StorageCorruptError, UnsupportedLeafError
 
 _LITTLE = np.little_endian
 
-__all__ = ["Leaf", "build", "decode", "encode", "format_path"]
+__all__ = ["Leaf", "build", "decode", "encode", "format_path", "to_tensors"]
 
 # numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
 _NUMPY_KINDS = frozenset("biufcmMUS")
@@ -172,8 +172,9 @@ def _key(k):
 
 
 class _Decoder:
-    def __init__(self, make_leaf: Callable[[int], Any]) -> None:
+    def __init__(self, make_leaf: Callable[[int], Any], as_tensors: bool = False) -> None:
         self.make_leaf = make_leaf
+        self.as_tensors = as_tensors
 
     def walk(self, node: list) -> Any:
         tag = node[0]
@@ -196,7 +197,8 @@ class _Decoder:
         if tag == "od":
             return collections.OrderedDict((_key(k), self.walk(v)) for k, v in zip(node[1], node[2]))
         if tag in ("tt", "tn"):
-            tree_type = next(t for t, name in _treetensor_types().items() if name == tag)
+            want = "tt" if self.as_tensors else tag
+            tree_type = next(t for t, name in _treetensor_types().items() if name == want)
             return tree_type({k: self.walk(v) for k, v in zip(node[1], node[2])})
         raise ValueError(f"unknown tree node tag {tag!r}")
 
@@ -206,30 +208,40 @@ def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
     return _Decoder(make_leaf).walk(spec)
 
 
-def build(header: Header, buf, *, base: int = 0, allow_pickle: bool = False, path: str = "") -> Any:
-    """Rebuild a sample whose data section lies in ``buf`` at ``base``; leaves are views onto ``buf``.
+def _numpy_to_tensor(arr: np.ndarray) -> Any:
+    # As DataLoader's default_convert does: numeric arrays become tensors sharing their memory.
+    if arr.dtype.kind in "biufc" and arr.dtype.isnative:
+        return torch.from_numpy(arr)
+    return arr
 
-    ``buf`` must be writable (a bytearray, an mmap or a memoryview of one): views keep it alive.
+
+def build(header: Header, buf, opts: ReadOptions = ReadOptions(), *, path: str = "") -> Any:
+    """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
+
+    ``buf`` must be writable (a bytearray, an mmap, a ctypes array): the views keep it alive.
     """
     u8 = np.frombuffer(buf, np.uint8)
+    as_tensors = opts.as_tensors
 
     def make_leaf(i: int) -> Any:
         e = header.arrays[i]
-        raw = u8[base + e.offset: base + e.offset + e.nbytes]
+        raw = u8[e.offset: e.offset + e.nbytes]
         if e.kind == "numpy":
-            return raw.view(e.dtype).reshape(e.shape)
+            arr = raw.view(e.dtype).reshape(e.shape)
+            return _numpy_to_tensor(arr) if as_tensors else arr
         if e.kind == "torch":
             dtype = _TORCH_DTYPES[e.dtype]
             if not e.nbytes:
                 return torch.empty(e.shape, dtype=dtype)
             return torch.from_numpy(raw).view(dtype).reshape(e.shape)
         if e.kind == "numpy_scalar":
-            return raw.view(e.dtype).reshape(())[()]
+            value = raw.view(e.dtype).reshape(())[()]
+            return _numpy_to_tensor(np.asarray(value)) if as_tensors else value
         if e.kind == "bytes":
             return raw.tobytes()
         if e.kind == "bytearray":
             return bytearray(raw)
-        if not allow_pickle:
+        if not opts.allow_pickle:
             raise PickleNotAllowedError(
                 f"{path}: holds a pickled value (leaf {i}); loading it would run code from the file. "
                 "Pass allow_pickle=True only if you trust whoever wrote it",
@@ -238,7 +250,34 @@ def build(header: Header, buf, *, base: int = 0, allow_pickle: bool = False, pat
         return pickle.loads(raw)
 
     try:
-        return decode(header.spec, make_leaf)
+        return _Decoder(make_leaf, as_tensors).walk(header.spec)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise StorageCorruptError(f"{path}: tree in header is damaged ({type(exc).__name__}: {exc}); "
                                   "delete the file or save the sample again", path=path) from None
+
+
+class _ToTensors:
+    def __init__(self) -> None:
+        self.tree_types = _treetensor_types()
+
+    def walk(self, x: Any) -> Any:
+        tx = type(x)
+        if tx is dict or tx is collections.OrderedDict:
+            return tx((k, self.walk(v)) for k, v in x.items())
+        if tx is list:
+            return [self.walk(v) for v in x]
+        if tx is tuple:
+            return tuple(self.walk(v) for v in x)
+        if tx is np.ndarray:
+            return _numpy_to_tensor(x)
+        if isinstance(x, np.generic):
+            return _numpy_to_tensor(np.asarray(x))
+        if self.tree_types.get(tx) == "tn":
+            ttorch_type = next(t for t, name in self.tree_types.items() if name == "tt")
+            return ttorch_type({k: self.walk(v) for k, v in x.items()})
+        return x
+
+
+def to_tensors(obj: Any) -> Any:
+    """Numeric numpy leaves to tensors (sharing memory), treetensor numpy trees to torch trees."""
+    return _ToTensors().walk(obj)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _format
-from ._format import ALIGN, ArrayEntry, Header
+from ._format import ALIGN, ArrayEntry, Header, ReadOptions
 from ._shm import ENV_DIR
 from ._shm import ShmSegment
 from ._slots import BytesRef, OneOffRef, SlotRef, SlotRing, page_round
@@ -37,8 +37,9 @@ class FillInfo:
 class SlotFiller:
     """A worker's ring, sized from a hint (the first sample) and regrown when a sample outgrows it."""
 
-    def __init__(self, n_slots: int, slot_size_hint: int = 0) -> None:
+    def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False) -> None:
         self.n_slots = n_slots
+        self.as_tensors = as_tensors
         self.hint = slot_size_hint
         self.ring: SlotRing | None = None
         self._retired: list[str] = []
@@ -56,9 +57,9 @@ class SlotFiller:
             self.ring = SlotRing(self.n_slots, page_round(size))
         return self.ring.acquire(), regrew
 
-    def _ref(self, slot: tuple[int, int], header: Header, path: str, allow_pickle: bool) -> SlotRef:
+    def _ref(self, slot: tuple[int, int], header: Header, path: str, opts: ReadOptions) -> SlotRef:
         ring = self.ring
-        ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, allow_pickle,
+        ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, opts,
                       segment=None if ring.sent else ring.segment, retired=tuple(self._retired))
         ring.sent = True
         self._retired.clear()
@@ -67,17 +68,19 @@ class SlotFiller:
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
         """Load ``storage``; returns stats and a picklable payload that unpickles into the sample."""
         if isinstance(storage, FileStorage) and type(storage).load is FileStorage.load:
-            return self._fill_file(storage.path, storage.allow_pickle)
-        return self.fill_object(storage.load(), allow_pickle=getattr(storage, "allow_pickle", False),
-                                path=repr(storage))
+            return self._fill_file(storage.path, self._opts(storage))
+        return self.fill_object(storage.load(), opts=self._opts(storage), path=repr(storage))
 
-    def _fill_file(self, path: str, allow_pickle: bool) -> tuple[FillInfo, Any]:
+    def _opts(self, storage: Storage) -> ReadOptions:
+        return ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors)
+
+    def _fill_file(self, path: str, opts: ReadOptions) -> tuple[FillInfo, Any]:
         fd = _format.open_storage(path)
         try:
             header = _format.read_header(fd, path)
             size = header.data_size
             if not size:
-                return FillInfo("slot", 0), BytesRef(header, bytearray(), path, allow_pickle)
+                return FillInfo("slot", 0), BytesRef(header, bytearray(), path, opts)
             slot, regrew = self._slot(size)
             if slot is None:
                 segment = ShmSegment(size, purpose="a fallback segment (every slot is still leased)")
@@ -86,35 +89,35 @@ class SlotFiller:
                 except BaseException:
                     segment.close()
                     raise
-                return FillInfo("fallback", size, regrew), OneOffRef(header, segment, path, allow_pickle)
+                return FillInfo("fallback", size, regrew), OneOffRef(header, segment, path, opts)
             try:
                 _format.preadv_into(fd, [self.ring.view(slot[0], size)], header.data_offset, path)
             except BaseException:
                 self.ring.unacquire(slot[0])
                 raise
-            return FillInfo("slot", size, regrew), self._ref(slot, header, path, allow_pickle)
+            return FillInfo("slot", size, regrew), self._ref(slot, header, path, opts)
         finally:
             os.close(fd)
 
-    def fill_object(self, obj: Any, *, allow_pickle: bool, path: str) -> tuple[FillInfo, Any]:
+    def fill_object(self, obj: Any, *, opts: ReadOptions, path: str) -> tuple[FillInfo, Any]:
         """Copy an in-memory sample into a slot (for Storage types that are not files)."""
         from ._tree import encode
 
-        spec, leaves = encode(obj, allow_pickle=allow_pickle)
+        spec, leaves = encode(obj, allow_pickle=opts)
         arrays, offset = [], 0
         for leaf in leaves:
             arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
             offset = -(-(offset + leaf.nbytes) // ALIGN) * ALIGN
         header = Header(spec, tuple(arrays), 0, offset)
         if not offset:
-            return FillInfo("slot", 0), BytesRef(header, bytearray(), path, allow_pickle)
+            return FillInfo("slot", 0), BytesRef(header, bytearray(), path, opts)
         slot, regrew = self._slot(offset)
         if slot is None:
             segment = ShmSegment(offset, purpose="a fallback segment (every slot is still leased)")
-            view, payload = memoryview(segment.mm), OneOffRef(header, segment, path, allow_pickle)
+            view, payload = memoryview(segment.mm), OneOffRef(header, segment, path, opts)
             info = FillInfo("fallback", offset, regrew)
         else:
-            view, payload = self.ring.view(slot[0], offset), self._ref(slot, header, path, allow_pickle)
+            view, payload = self.ring.view(slot[0], offset), self._ref(slot, header, path, opts)
             info = FillInfo("slot", offset, regrew)
         for leaf, e in zip(leaves, arrays):
             view[e.offset: e.offset + e.nbytes] = leaf.data

@@ -65,8 +65,13 @@ class FileStorage(Storage):
         """Read the sample in this process; its arrays are views onto one private buffer."""
         from ._tree import build
 
+        return self._load(_format.ReadOptions(self.allow_pickle))
+
+    def _load(self, opts: _format.ReadOptions) -> Any:
+        from ._tree import build
+
         header, buf = _format.read_into(self.path, _allocate)
-        return build(header, buf, allow_pickle=self.allow_pickle, path=self.path)
+        return build(header, buf, opts, path=self.path)
 
     def read_header(self) -> _format.Header:
         fd = _format.open_storage(self.path)

@@ -12,20 +12,25 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DirectorySource": "_sources",
     "FileStorage": "storage",
     "FileStorageLoader": "file_loader",
     "InsufficientSharedMemoryError": "errors",
     "LoadCancelledError": "errors",
     "LoaderStats": "loader",
     "PickleNotAllowedError": "errors",
+    "ProducerDiedError": "queue",
     "SampleMismatchError": "errors",
     "Storage": "storage",
     "StorageCorruptError": "errors",
+    "StorageDataset": "dataset",
     "StorageError": "errors",
     "StorageLoader": "loader",
     "StorageNotFoundError": "errors",
+    "StorageQueue": "queue",
     "UnsupportedLeafError": "errors",
     "WorkerDiedError": "errors",
+    "end_directory_stream": "_sources",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,6 +53,9 @@ if TYPE_CHECKING:
     from .errors import (InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
                          SampleMismatchError, StorageCorruptError, StorageError, StorageNotFoundError,
                          UnsupportedLeafError, WorkerDiedError)
+    from ._sources import DirectorySource, end_directory_stream
+    from .dataset import StorageDataset
     from .file_loader import FileStorageLoader
+    from .queue import ProducerDiedError, StorageQueue
     from .loader import LoaderStats, StorageLoader
     from .storage import FileStorage, Storage

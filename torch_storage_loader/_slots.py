@@ -139,6 +139,8 @@ class SlotRef:
 def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, segment, retired, pid):
     from ._tree import build
 
+    if segment is not None:
+        retire_rings(dead_only=True)  # rings of workers that are gone (earlier epochs, restarts)
     with _rings_lock:
         for uid in retired:
             _rings.pop(uid, None)

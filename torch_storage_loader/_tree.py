@@ -194,6 +194,12 @@ class _Decoder:
             return float.fromhex(node[1])
         if tag == "c":
             return complex(float.fromhex(node[1]), float.fromhex(node[2]))
+        if tag == "v":  # one inline scalar per sample of a stacked batch
+            values = [self.walk(v) for v in node[1]]
+            kinds = {type(v) for v in values}
+            if self.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
+                return torch.tensor(values)
+            return values
         if tag == "od":
             return collections.OrderedDict((_key(k), self.walk(v)) for k, v in zip(node[1], node[2]))
         if tag in ("tt", "tn"):

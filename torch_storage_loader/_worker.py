@@ -5,22 +5,23 @@ Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader work
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import signal
 import traceback
 from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import _format
 from ._format import ALIGN, ArrayEntry, Header, ReadOptions
-from ._shm import ENV_DIR
-from ._shm import ShmSegment
+from ._batch import file_iovecs, plan
+from ._shm import ENV_DIR, ShmSegment
 from ._slots import BytesRef, OneOffRef, SlotRef, SlotRing, page_round
 from .storage import FileStorage, Storage
 
-__all__ = ["FillInfo", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
+__all__ = ["FillInfo", "LocalFiller", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
 
 GROWTH = 1.25
 
@@ -35,7 +36,11 @@ class FillInfo:
 
 
 class SlotFiller:
-    """A worker's ring, sized from a hint (the first sample) and regrown when a sample outgrows it."""
+    """A worker's ring, sized from a hint (the first sample) and regrown when a sample outgrows it.
+
+    ``fill`` / ``fill_batch`` return ``(FillInfo, payload)``: the payload is a small picklable
+    reference that unpickles, in the receiving process, into the sample backed by shared memory.
+    """
 
     def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False) -> None:
         self.n_slots = n_slots
@@ -43,85 +48,121 @@ class SlotFiller:
         self.hint = slot_size_hint
         self.ring: SlotRing | None = None
         self._retired: list[str] = []
+        self._scratch = memoryview(bytearray(ALIGN))
 
-    def _slot(self, nbytes: int) -> tuple[tuple[int, int] | None, bool]:
+    # ----------------------------------------------------------------------- where bytes go
+    def _target(self, nbytes: int, path: str, opts: ReadOptions) -> tuple[memoryview, Callable, FillInfo, Callable]:
+        """A writable view of ``nbytes``, a function turning its header into the payload, stats,
+        and a function that gives the target back if filling it fails."""
+        if not nbytes:
+            return (memoryview(bytearray()), lambda h: BytesRef(h, bytearray(), path, opts), FillInfo("slot", 0),
+                    _nothing)
         regrew = False
         if self.ring is None or nbytes > self.ring.slot_size:
             if self.ring is not None:
                 self._retired.append(self.ring.uid)
                 self.ring.close()
                 regrew = True
-                size = int(nbytes * GROWTH)
-            else:
-                size = max(nbytes, self.hint)
+            size = int(nbytes * GROWTH) if regrew else max(nbytes, self.hint)
             self.ring = SlotRing(self.n_slots, page_round(size))
-        return self.ring.acquire(), regrew
-
-    def _ref(self, slot: tuple[int, int], header: Header, path: str, opts: ReadOptions) -> SlotRef:
+        slot = self.ring.acquire()
+        if slot is None:
+            segment = ShmSegment(nbytes, purpose="a fallback segment (every slot is still leased)")
+            return (memoryview(segment.mm)[:nbytes], lambda h: OneOffRef(h, segment, path, opts),
+                    FillInfo("fallback", nbytes, regrew), segment.close)
         ring = self.ring
-        ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, opts,
-                      segment=None if ring.sent else ring.segment, retired=tuple(self._retired))
-        ring.sent = True
-        self._retired.clear()
-        return ref
 
+        def payload(header: Header) -> SlotRef:
+            ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, opts,
+                          segment=None if ring.sent else ring.segment, retired=tuple(self._retired))
+            ring.sent = True
+            self._retired.clear()
+            return ref
+
+        return ring.view(slot[0], nbytes), payload, FillInfo("slot", nbytes, regrew), lambda: ring.unacquire(slot[0])
+
+    # ------------------------------------------------------------------------- single samples
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
-        """Load ``storage``; returns stats and a picklable payload that unpickles into the sample."""
-        if isinstance(storage, FileStorage) and type(storage).load is FileStorage.load:
-            return self._fill_file(storage.path, self._opts(storage))
-        return self.fill_object(storage.load(), opts=self._opts(storage), path=repr(storage))
-
-    def _opts(self, storage: Storage) -> ReadOptions:
-        return ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors)
+        """Load ``storage`` into a slot."""
+        opts = ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors)
+        if _is_plain_file(storage):
+            return self._fill_file(storage.path, opts)
+        return self.fill_object(storage.load(), opts=opts, path=repr(storage))
 
     def _fill_file(self, path: str, opts: ReadOptions) -> tuple[FillInfo, Any]:
         fd = _format.open_storage(path)
         try:
             header = _format.read_header(fd, path)
-            size = header.data_size
-            if not size:
-                return FillInfo("slot", 0), BytesRef(header, bytearray(), path, opts)
-            slot, regrew = self._slot(size)
-            if slot is None:
-                segment = ShmSegment(size, purpose="a fallback segment (every slot is still leased)")
-                try:
-                    _format.preadv_into(fd, [memoryview(segment.mm)[:size]], header.data_offset, path)
-                except BaseException:
-                    segment.close()
-                    raise
-                return FillInfo("fallback", size, regrew), OneOffRef(header, segment, path, opts)
-            try:
-                _format.preadv_into(fd, [self.ring.view(slot[0], size)], header.data_offset, path)
-            except BaseException:
-                self.ring.unacquire(slot[0])
-                raise
-            return FillInfo("slot", size, regrew), self._ref(slot, header, path, opts)
+            view, payload, info, abandon = self._target(header.data_size, path, opts)
+            _read(fd, [view], header.data_offset, path, abandon)
+            del view
         finally:
             os.close(fd)
+        return info, payload(header)
 
     def fill_object(self, obj: Any, *, opts: ReadOptions, path: str) -> tuple[FillInfo, Any]:
-        """Copy an in-memory sample into a slot (for Storage types that are not files)."""
+        """Copy an in-memory sample into a slot (Storage types that are not files, collated batches)."""
         from ._tree import encode
 
-        spec, leaves = encode(obj, allow_pickle=opts)
+        spec, leaves = encode(obj, allow_pickle=opts.allow_pickle)
         arrays, offset = [], 0
         for leaf in leaves:
             arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
             offset = -(-(offset + leaf.nbytes) // ALIGN) * ALIGN
         header = Header(spec, tuple(arrays), 0, offset)
-        if not offset:
-            return FillInfo("slot", 0), BytesRef(header, bytearray(), path, opts)
-        slot, regrew = self._slot(offset)
-        if slot is None:
-            segment = ShmSegment(offset, purpose="a fallback segment (every slot is still leased)")
-            view, payload = memoryview(segment.mm), OneOffRef(header, segment, path, opts)
-            info = FillInfo("fallback", offset, regrew)
-        else:
-            view, payload = self.ring.view(slot[0], offset), self._ref(slot, header, path, opts)
-            info = FillInfo("slot", offset, regrew)
+        view, payload, info, _ = self._target(offset, path, opts)
         for leaf, e in zip(leaves, arrays):
             view[e.offset: e.offset + e.nbytes] = leaf.data
-        return info, payload
+        del view
+        return info, payload(header)
+
+    # -------------------------------------------------------------------------------- batches
+    def fill_batch(self, storages: list[Storage], collate_fn: Callable | None = None) -> tuple[FillInfo, Any]:
+        """Stack samples into one slot (leaves gain a leading batch dimension), or collate them."""
+        opts = ReadOptions(any(getattr(s, "allow_pickle", False) for s in storages), self.as_tensors)
+        names = [repr(s) for s in storages]
+        if collate_fn is None and all(_is_plain_file(s) for s in storages):
+            fds = []
+            try:
+                headers = []
+                for s in storages:
+                    fds.append(_format.open_storage(s.path))
+                    headers.append(_format.read_header(fds[-1], s.path))
+                batch = plan(headers, names)
+                view, payload, info, abandon = self._target(batch.data_size, names[0], opts)
+                for j, (fd, h, s) in enumerate(zip(fds, headers, storages)):
+                    _read(fd, file_iovecs(h, batch, j, view, self._scratch), h.data_offset, s.path, abandon)
+                del view
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            return info, payload(batch)
+        from ._tree import to_tensors
+
+        samples = [_load_plain(s) for s in storages]
+        if collate_fn is not None:
+            return self.fill_object(collate_fn([to_tensors(x) for x in samples]), opts=opts, path=names[0])
+        return self._stack_objects(samples, names, opts)
+
+    def _stack_objects(self, samples: list, names: list[str], opts: ReadOptions) -> tuple[FillInfo, Any]:
+        from ._tree import encode
+
+        encoded = [encode(x, allow_pickle=opts.allow_pickle) for x in samples]
+        headers = []
+        for spec, leaves in encoded:
+            arrays, offset = [], 0
+            for leaf in leaves:
+                arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
+                offset += leaf.nbytes
+            headers.append(Header(spec, tuple(arrays), 0, offset))
+        batch = plan(headers, names)
+        view, payload, info, _ = self._target(batch.data_size, names[0], opts)
+        for j, (_, leaves) in enumerate(encoded):
+            for leaf, b in zip(leaves, batch.arrays):
+                start = b.offset + j * leaf.nbytes
+                view[start: start + leaf.nbytes] = leaf.data
+        del view
+        return info, payload(batch)
 
     @staticmethod
     def sent(payload: Any) -> None:
@@ -133,6 +174,37 @@ class SlotFiller:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+
+
+def _nothing() -> None:
+    pass
+
+
+def _read(fd: int, views: list, offset: int, path: str, abandon: Callable) -> None:
+    try:
+        _format.preadv_into(fd, views, offset, path)
+    except BaseException:
+        views.clear()
+        abandon()  # the slot or segment is not delivered: give it back
+        raise
+
+
+def _is_plain_file(storage: Storage) -> bool:
+    return isinstance(storage, FileStorage) and type(storage).load is FileStorage.load
+
+
+def _load_plain(storage: Storage) -> Any:
+    return storage.load()
+
+
+class LocalFiller(SlotFiller):
+    """The same work in the consuming process itself (``num_workers=0``): private buffers, no slots."""
+
+    def _target(self, nbytes: int, path: str, opts: ReadOptions) -> tuple[memoryview, Callable, FillInfo, Callable]:
+        from ._tree import build
+
+        buf = mmap.mmap(-1, nbytes) if nbytes else bytearray()
+        return memoryview(buf), lambda h: build(h, buf, opts, path=path), FillInfo("local", nbytes), _nothing
 
 
 class RemoteTraceback(Exception):

@@ -1,0 +1,201 @@
+"""``StorageDataset``: ``DataLoader(StorageDataset(source))`` with shared-memory slots.
+
+Inside DataLoader workers each sample (or dataset-side batch) is read straight into the worker's
+ring of shared-memory slots; what crosses the DataLoader's result queue is a small reference that
+unpickles, in the trainer, into tensors backed by the slot. A slot is reused only after the
+trainer dropped every tensor viewing it; when none is free the worker uses a segment of its own
+for that sample (counted as a fallback), so keeping batches never deadlocks and never sees them
+change. With ``num_workers=0`` samples are read into private memory in the trainer's process.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import uuid
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ._sources import ListSource, as_source, end_directory_stream
+from ._worker import FillInfo, LocalFiller, SlotFiller
+from ._slots import retire_rings
+
+__all__ = ["DatasetStats", "StorageDataset", "end_directory_stream"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_stats_lock = threading.Lock()
+
+
+def _record(uid: str, info: FillInfo, skipped: int) -> None:
+    with _stats_lock:
+        c = _stats[uid]
+        c["loads"] += 1
+        c["bytes"] += info.nbytes
+        c[{"slot": "slot_loads", "fallback": "fallbacks"}.get(info.via, "local_loads")] += 1
+        c["regrows"] += info.regrew
+        c["skipped"] += skipped
+
+
+DatasetStats = dict  # {"loads", "bytes", "slot_loads", "fallbacks", "local_loads", "regrows", "skipped"}
+
+
+class _Delivery:
+    """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
+
+    __slots__ = ("uid", "info", "skipped", "payload")
+
+    def __init__(self, uid: str, info: FillInfo, skipped: int, payload: Any) -> None:
+        self.uid, self.info, self.skipped, self.payload = uid, info, skipped, payload
+
+    def __reduce__(self):
+        return _receive, (self.uid, self.info, self.skipped, self.payload)
+
+
+def _receive(uid: str, info: FillInfo, skipped: int, sample: Any) -> Any:
+    _record(uid, info, skipped)
+    return sample
+
+
+def _live_dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class StorageDataset(IterableDataset):
+    """An ``IterableDataset`` of the samples behind storage handles.
+
+    ``source`` is a finite iterable of ``Storage`` handles (each delivered once per epoch, split
+    across DataLoader workers and distributed ranks), a ``StorageQueue``, a ``queue.Queue`` or
+    multiprocessing queue ending at ``None``, or a directory a ``FileStorageLoader`` writes into.
+
+    ``batch_size``: stack that many samples straight into one slot (leaves gain a leading batch
+    dimension); use it with ``DataLoader(..., batch_size=None)``. ``collate_fn`` combines samples
+    whose shapes differ instead. ``on_error="skip"`` skips (and counts) samples that fail to load
+    instead of raising. Numeric numpy leaves come out as tensors (sharing memory, as DataLoader's
+    default conversion does); treetensor trees stay trees.
+    """
+
+    def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
+                 collate_fn: Callable[[list], Any] | None = None, slots_per_worker: int = 4,
+                 on_error: str = "raise") -> None:
+        super().__init__()
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
+        if collate_fn is not None and batch_size is None:
+            raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
+        if slots_per_worker < 1:
+            raise ValueError(f"{slots_per_worker=} must be >= 1")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+        self.source = as_source(source)
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+        self.slots_per_worker = slots_per_worker
+        self.on_error = on_error
+        self._uid = uuid.uuid4().hex
+        self._dist: tuple[int, int] | None = None
+        self._epoch = 0
+        self._yielded = 0
+        self._resume = 0
+        self._skipped = 0
+        self._filler: SlotFiller | None = None
+        self._filler_pid = 0
+
+    # -------------------------------------------------------------------------- the protocol
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_filler"], state["_filler_pid"] = None, 0
+        if state["_dist"] is None:
+            state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
+        return state
+
+    def state_dict(self) -> dict:
+        """Progress through the current epoch: for resuming a finite source mid-epoch.
+
+        Called in each worker by ``torchdata.stateful_dataloader.StatefulDataLoader`` (and in the
+        trainer with ``num_workers=0``); resume with the same ``num_workers`` and world size.
+        """
+        return {"epoch": self._epoch, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(self.source, ListSource):
+            raise TypeError("only a finite source (a list of handles) can resume from a state_dict")
+        self._epoch = int(state["epoch"])
+        self._resume = int(state["yielded"])
+
+    def stats(self) -> dict[str, int]:
+        """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped."""
+        with _stats_lock:
+            return dict(_stats[self._uid]) | {"skipped": _stats[self._uid]["skipped"] + self._skipped}
+
+    # --------------------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator[Any]:
+        worker = get_worker_info()
+        wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        rank, world = self._dist if self._dist is not None else _live_dist()
+        skip, self._resume = self._resume, 0
+        self._yielded = skip
+        per_item = self.batch_size or 1
+        handles = self.source.iterate(rank * nw + wid, world * nw, skip * per_item)
+        filler = self._filler_for(in_worker=worker is not None)
+        if worker is None:
+            retire_rings(dead_only=True)  # rings of DataLoader workers from earlier epochs
+        group: list = []
+        try:
+            for storage in handles:
+                group.append(storage)
+                if len(group) == per_item:
+                    item = self._load(filler, group, worker is not None)
+                    group = []
+                    if item is not _SKIP:
+                        self._yielded += 1
+                        yield item
+            if group and not self.drop_last:
+                item = self._load(filler, group, worker is not None)
+                if item is not _SKIP:
+                    self._yielded += 1
+                    yield item
+        finally:
+            handles.close()
+        self._epoch += 1
+        self._yielded = 0
+
+    def _filler_for(self, in_worker: bool) -> SlotFiller:
+        if self._filler is None or self._filler_pid != os.getpid():
+            cls = SlotFiller if in_worker else LocalFiller
+            self._filler = cls(self.slots_per_worker, as_tensors=True)
+            self._filler_pid = os.getpid()
+        return self._filler
+
+    def _load(self, filler: SlotFiller, group: list, in_worker: bool) -> Any:
+        try:
+            if self.batch_size is None:
+                info, payload = filler.fill(group[0])
+            else:
+                info, payload = filler.fill_batch(group, self.collate_fn)
+        except Exception as exc:
+            for s in group:
+                self.source.done(s, ok=False)
+            if self.on_error == "raise":
+                raise
+            logger.warning("skipping %s: %s", group if len(group) > 1 else group[0], exc)
+            self._skipped += 1
+            return _SKIP
+        for s in group:
+            self.source.done(s, ok=True)
+        skipped, self._skipped = self._skipped, 0
+        if in_worker:
+            return _Delivery(self._uid, info, skipped, payload)
+        _record(self._uid, info, skipped)
+        return payload
+
+
+_SKIP = object()

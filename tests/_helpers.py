@@ -54,3 +54,58 @@ class KillStorage(Storage):
                 open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return {"survived": np.array([1])}
+
+
+def produce(queue, directory: str, start: int, count: int) -> None:
+    """A producer process: save trajectories and put their handles on a StorageQueue."""
+    from conftest import traj
+    from torch_storage_loader import FileStorageLoader
+
+    loader = FileStorageLoader(directory, ttl=None, remove_on_shutdown=False)
+    with queue.producer():
+        for i in range(start, start + count):
+            queue.put(loader.save(traj(i)))
+    loader.shutdown()
+
+
+def produce_then_die(queue, directory: str) -> None:
+    from conftest import traj
+    from torch_storage_loader import FileStorageLoader
+
+    loader = FileStorageLoader(directory, ttl=None, remove_on_shutdown=False)
+    with queue.producer():
+        queue.put(loader.save(traj(0)))
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def produce_into_directory(directory: str, start: int, count: int) -> None:
+    from conftest import traj
+    from torch_storage_loader import FileStorageLoader
+
+    with FileStorageLoader(directory, ttl=None, remove_on_shutdown=False) as loader:
+        for i in range(start, start + count):
+            loader.save(traj(i))
+            time.sleep(0.01)
+
+
+def consume_directory(directory: str, out) -> None:
+    """Another consumer process of a directory source; puts the ids it loaded on ``out``."""
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    ids = [int(s["info"]["id"]) for s in DataLoader(StorageDataset(directory), batch_size=None, num_workers=1)]
+    out.put(ids)
+
+
+def ddp_rank(rank: int, world: int, init_file: str, handles, out) -> None:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dl = DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, multiprocessing_context="spawn")
+        out.put((rank, [int(s["info"]["id"]) for s in dl]))
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -44,6 +45,7 @@ def _our_threads() -> set[str]:
 def no_leaks():
     shm_before, kids_before = _our_shm(), _children()
     yield
+    gc.collect()  # a DataLoader iterator caught in an exception's traceback stops its workers on collection
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         mp.active_children()  # reaps finished children

@@ -21,7 +21,7 @@ from typing import Any
 from ._format import Header, ReadOptions
 from ._shm import ShmSegment
 
-__all__ = ["BytesRef", "OneOffRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
+__all__ = ["BytesRef", "CTRL", "OneOffRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
 
 PAGE = mmap.PAGESIZE
 CTRL = 4096  # control block: one int64 state word per slot (0 = free, else the lease generation)
@@ -60,6 +60,14 @@ class SlotRing:
 
     def unacquire(self, slot: int) -> None:
         self._states[slot] = 0
+
+    def release(self, slot: int, generation: int) -> None:
+        """Free ``slot`` if it still holds ``generation`` (a lease dropped in this process)."""
+        try:
+            if self._states[slot] == generation:
+                self._states[slot] = 0
+        except ValueError:
+            pass  # the ring was closed (regrown) meanwhile: nobody reuses its slots
 
     def free_slots(self) -> int:
         return sum(1 for i in range(self.n_slots) if self._states[i] == 0)

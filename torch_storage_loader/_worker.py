@@ -5,11 +5,13 @@ Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader work
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
 import signal
 import traceback
+import weakref
 from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,7 +20,7 @@ from . import _format
 from ._format import ALIGN, ArrayEntry, Header, ReadOptions
 from ._batch import file_iovecs, plan
 from ._shm import ENV_DIR, ShmSegment
-from ._slots import BytesRef, OneOffRef, SlotRef, SlotRing, page_round
+from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing, page_round
 from .storage import FileStorage, Storage
 
 __all__ = ["FillInfo", "LocalFiller", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
@@ -163,6 +165,30 @@ class SlotFiller:
                 view[start: start + leaf.nbytes] = leaf.data
         del view
         return info, payload(batch)
+
+    def materialize_here(self, payload: Any) -> Any:
+        """Build ``payload`` in this process (the worker's), as if it had been sent and received.
+
+        For a DataLoader that collates in its workers: the slot stays leased until the collated
+        copy no longer needs the views.
+        """
+        from ._tree import build
+
+        if isinstance(payload, SlotRef):
+            ring = self.ring
+            if ring is None or ring.uid != payload.ring_uid:
+                raise RuntimeError("the slot's ring was replaced before the sample was used")
+            if payload.segment is not None:
+                ring.sent = False  # the receiver never saw it: send it with the next reference
+            self._retired.extend(payload.retired)
+            anchor = (ctypes.c_ubyte * payload.header.data_size).from_buffer(
+                ring.segment.mm, CTRL + payload.slot * ring.slot_size)
+            weakref.finalize(anchor, ring.release, payload.slot, payload.generation)
+            return build(payload.header, anchor, payload.opts, path=payload.path)
+        if isinstance(payload, OneOffRef):
+            anchor = (ctypes.c_ubyte * payload.header.data_size).from_buffer(payload.segment.mm)
+            return build(payload.header, anchor, payload.opts, path=payload.path)
+        return build(payload.header, payload.data, payload.opts, path=payload.path)
 
     @staticmethod
     def sent(payload: Any) -> None:

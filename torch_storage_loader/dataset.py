@@ -19,12 +19,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._slots import retire_rings
 
-__all__ = ["DatasetStats", "StorageDataset", "end_directory_stream"]
+__all__ = ["StorageDataset", "end_directory_stream"]
 
 logger = logging.getLogger("torch_storage_loader")
 
@@ -42,16 +43,16 @@ def _record(uid: str, info: FillInfo, skipped: int) -> None:
         c["skipped"] += skipped
 
 
-DatasetStats = dict  # {"loads", "bytes", "slot_loads", "fallbacks", "local_loads", "regrows", "skipped"}
+_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "local_loads", "regrows", "skipped")
 
 
 class _Delivery:
     """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
 
-    __slots__ = ("uid", "info", "skipped", "payload")
+    __slots__ = ("uid", "info", "skipped", "payload", "filler")
 
-    def __init__(self, uid: str, info: FillInfo, skipped: int, payload: Any) -> None:
-        self.uid, self.info, self.skipped, self.payload = uid, info, skipped, payload
+    def __init__(self, uid: str, info: FillInfo, skipped: int, payload: Any, filler: SlotFiller) -> None:
+        self.uid, self.info, self.skipped, self.payload, self.filler = uid, info, skipped, payload, filler
 
     def __reduce__(self):
         return _receive, (self.uid, self.info, self.skipped, self.payload)
@@ -60,6 +61,16 @@ class _Delivery:
 def _receive(uid: str, info: FillInfo, skipped: int, sample: Any) -> Any:
     _record(uid, info, skipped)
     return sample
+
+
+def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
+    # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
+    # sample there, and let the default path ship the collated batch (slower, but correct).
+    return collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
+
+
+# The extension point torch documents for default_collate: a collate function per element type.
+default_collate_fn_map[_Delivery] = _collate_deliveries
 
 
 def _live_dist() -> tuple[int, int]:
@@ -134,7 +145,8 @@ class StorageDataset(IterableDataset):
     def stats(self) -> dict[str, int]:
         """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped."""
         with _stats_lock:
-            return dict(_stats[self._uid]) | {"skipped": _stats[self._uid]["skipped"] + self._skipped}
+            c = _stats[self._uid]
+            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped}
 
     # --------------------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Any]:
@@ -193,7 +205,7 @@ class StorageDataset(IterableDataset):
             self.source.done(s, ok=True)
         skipped, self._skipped = self._skipped, 0
         if in_worker:
-            return _Delivery(self._uid, info, skipped, payload)
+            return _Delivery(self._uid, info, skipped, payload, filler)
         _record(self._uid, info, skipped)
         return payload
 

@@ -44,7 +44,9 @@ class StorageQueue:
     def __init__(self, maxsize: int = 0, *, mp_context: str | mp.context.BaseContext | None = None) -> None:
         if maxsize < 0:
             raise ValueError(f"{maxsize=} must be >= 0")
-        ctx = mp.get_context(mp_context) if isinstance(mp_context, str) or mp_context is None else mp_context
+        # Primitives made in a spawn context travel to fork, spawn and forkserver children alike;
+        # fork-made ones refuse to go to spawned processes.
+        ctx = mp.get_context(mp_context or "spawn") if isinstance(mp_context, (str, type(None))) else mp_context
         self._queue = ctx.Queue(maxsize)
         self._producers = ctx.Array("q", MAX_PRODUCERS)  # pids of live producers; 0 = free
 

@@ -1,0 +1,252 @@
+"""StorageDataset with real DataLoader workers, files, queues and shared memory."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import _helpers
+from conftest import START_METHODS, traj
+from torch_storage_loader import (FileStorage, FileStorageLoader, ProducerDiedError, SampleMismatchError,
+                                  StorageCorruptError, StorageDataset, StorageQueue, end_directory_stream)
+
+
+@pytest.fixture
+def handles(tmp_path):
+    d = tmp_path / "store"
+    d.mkdir()
+    out = []
+    for i in range(24):
+        s = FileStorage(d / f"{i:04d}.tsl")
+        s.save(traj(i))
+        out.append(s)
+    return out
+
+
+def ids_of(samples, batched=False):
+    if batched:
+        return sorted(int(i) for b in samples for i in b["info"]["id"])
+    return sorted(int(s["info"]["id"]) for s in samples)
+
+
+def check_sample(s, i=None):
+    assert type(s["obs"]) is torch.Tensor and s["obs"].dtype == torch.float32  # numpy became torch
+    assert type(s["action"]) is torch.Tensor and s["done"].dtype == torch.bool
+    k = int(s["info"]["id"]) if i is None else i
+    assert torch.equal(s["obs"], torch.full((8, 4, 8, 8), float(k)))
+    assert torch.equal(s["action"], torch.full((8,), k))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_every_handle_once(handles, num_workers, batch_size):
+    ds = StorageDataset(handles, batch_size=batch_size)
+    out = list(DataLoader(ds, batch_size=None, num_workers=num_workers))
+    assert ids_of(out, batch_size is not None) == list(range(24))
+    if batch_size is None:
+        for s in out:
+            check_sample(s)
+    else:
+        for b in out:
+            assert b["obs"].shape[1:] == (8, 4, 8, 8) and b["obs"].shape[0] <= 5
+            for j, k in enumerate(b["info"]["id"].tolist()):
+                assert torch.equal(b["obs"][j], torch.full((8, 4, 8, 8), float(k)))
+            assert b["info"]["name"] == [f"traj-{k}" for k in b["info"]["id"].tolist()]
+    stats = ds.stats()
+    if num_workers:
+        assert stats["slot_loads"] + stats["fallbacks"] == len(out) and stats["slot_loads"] > 0
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_start_methods_epochs_and_persistent_workers(handles, method):
+    ds = StorageDataset(handles)
+    dl = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=3,
+                    multiprocessing_context=method)
+    for _ in range(3):
+        out = []
+        for s in dl:
+            check_sample(s)
+            out.append(int(s["info"]["id"]))  # drop each sample: slots are reused
+        assert sorted(out) == list(range(24))
+    del dl
+    assert ds.stats()["fallbacks"] == 0
+
+
+def test_in_order_false_and_pin_memory(handles):
+    dl = DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, in_order=False, pin_memory=True)
+    with pytest.warns(UserWarning, match="pin_memory"):
+        out = list(dl)
+    assert ids_of(out) == list(range(24))
+
+
+def test_kept_batches_never_change(handles):
+    ds = StorageDataset(handles, slots_per_worker=2)
+    kept = list(DataLoader(ds, batch_size=None, num_workers=2))
+    again = list(DataLoader(ds, batch_size=None, num_workers=2))  # more loads while all are kept
+    for s in kept + again:
+        check_sample(s)
+    assert ds.stats()["fallbacks"] > 0
+
+
+def test_dataloader_side_batching_still_works(handles):
+    out = list(DataLoader(StorageDataset(handles), batch_size=4, num_workers=2))
+    assert out[0]["obs"].shape == (4, 8, 4, 8, 8)
+    assert sorted(int(i) for b in out for i in b["info"]["id"]) == list(range(24))
+
+
+def test_treetensor_trees_stay_trees(tmp_path):
+    handles = []
+    for i in range(4):
+        s = FileStorage(tmp_path / f"{i}.tsl")
+        s.save(ttorch.Tensor({"obs": torch.full((2, 3), float(i)), "a": {"b": torch.tensor([i])}}))
+        handles.append(s)
+    out = list(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2))
+    assert all(type(t) is ttorch.Tensor for t in out)
+    assert sorted(int(t.a.b[0]) for t in out) == [0, 1, 2, 3]
+
+
+def test_mismatched_shapes_name_the_key_path(tmp_path):
+    a, b = FileStorage(tmp_path / "a.tsl"), FileStorage(tmp_path / "b.tsl")
+    a.save({"obs": np.zeros((3, 2), np.float32)})
+    b.save({"obs": np.zeros((4, 2), np.float32)})
+    with pytest.raises(SampleMismatchError, match=r"\['obs'\].*\[3, 2\].*\[4, 2\]"):
+        list(DataLoader(StorageDataset([a, b], batch_size=2), batch_size=None))
+    with pytest.raises(SampleMismatchError, match=r"\['obs'\]"):
+        list(DataLoader(StorageDataset([a, b], batch_size=2), batch_size=None, num_workers=1))
+
+    def pad(samples):
+        n = max(s["obs"].shape[0] for s in samples)
+        return {"obs": torch.stack([torch.nn.functional.pad(s["obs"], (0, 0, 0, n - s["obs"].shape[0]))
+                                    for s in samples])}
+
+    out = list(DataLoader(StorageDataset([a, b], batch_size=2, collate_fn=pad), batch_size=None, num_workers=1))
+    assert out[0]["obs"].shape == (2, 4, 2)
+
+
+def test_corrupt_file_raises_or_is_skipped(handles):
+    with open(handles[5].path, "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(StorageCorruptError, match=os.path.basename(handles[5].path)):
+        list(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2))
+    ds = StorageDataset(handles, on_error="skip")
+    out = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert ids_of(out) == [i for i in range(24) if i != 5]
+    assert ds.stats()["skipped"] == 1
+
+
+def test_killed_worker_is_a_clear_error_not_a_hang(handles):
+    dl = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, timeout=60))
+    next(dl)
+    os.kill(dl._workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="(?i)worker"):
+        for _ in dl:
+            pass
+    del dl
+
+
+def test_storage_queue_two_producers_two_workers(tmp_path):
+    q = StorageQueue()
+    producers = [mp.get_context("spawn").Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 20))
+                 for k in range(2)]
+    for p in producers:
+        p.start()
+    dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    it = iter(dl)
+    got = [int(next(it)["info"]["id"]) for _ in range(10)]
+    for p in producers:
+        p.join()
+    q.close()
+    got += [int(s["info"]["id"]) for s in it]
+    assert sorted(got) == list(range(20)) + list(range(100, 120))
+
+
+def test_plain_queues_end_at_none(handles):
+    q = queue.Queue()
+    for h in handles:
+        q.put(h)
+    q.put(None)
+    assert ids_of(DataLoader(StorageDataset(q), batch_size=None)) == list(range(24))
+    mq = mp.get_context("fork").Queue()
+    for h in handles:
+        mq.put(h)
+    mq.put(None)
+    assert ids_of(DataLoader(StorageDataset(mq), batch_size=None, num_workers=2)) == list(range(24))
+    with pytest.raises(TypeError, match="queue.Queue is not shared"):
+        list(DataLoader(StorageDataset(queue.Queue()), batch_size=None, num_workers=1))
+
+
+def test_dead_producer_is_an_error_not_a_hang(tmp_path):
+    q = StorageQueue()
+    p = mp.get_context("spawn").Process(target=_helpers.produce_then_die, args=(q, str(tmp_path / "p")))
+    p.start()
+    with pytest.raises(ProducerDiedError, match=str(p.pid)):
+        list(DataLoader(StorageDataset(q), batch_size=None, num_workers=0))
+    p.join()
+
+
+def test_directory_source_claims_each_file_once(tmp_path):
+    d = str(tmp_path / "dir")
+    ctx = mp.get_context("spawn")
+    producers = [ctx.Process(target=_helpers.produce_into_directory, args=(d, 100 * k, 15)) for k in range(2)]
+    out = ctx.Queue()
+    other = ctx.Process(target=_helpers.consume_directory, args=(d, out))
+    for p in producers + [other]:
+        p.start()
+    mine = []
+    it = iter(DataLoader(StorageDataset(d), batch_size=None, num_workers=2))
+    for p in producers:
+        p.join()
+    end_directory_stream(d)
+    mine = [int(s["info"]["id"]) for s in it]
+    theirs = out.get(timeout=60)
+    other.join()
+    assert sorted(mine + theirs) == list(range(15)) + list(range(100, 115))
+    assert sorted(os.listdir(d)) == ["_END_OF_STREAM"]  # loaded files are deleted
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_neither_repeats_nor_skips(handles, num_workers):
+    dl = StatefulDataLoader(StorageDataset(handles, batch_size=2), batch_size=None, num_workers=num_workers)
+    first = []
+    for i, b in enumerate(dl):
+        first += b["info"]["id"].tolist()
+        if i == 4:
+            state = dl.state_dict()
+            break
+    del dl
+    dl = StatefulDataLoader(StorageDataset(handles, batch_size=2), batch_size=None, num_workers=num_workers)
+    dl.load_state_dict(state)
+    rest = [i for b in dl for i in b["info"]["id"].tolist()]
+    assert sorted(first + rest) == list(range(24))
+
+
+def test_distributed_ranks_split_a_finite_source(handles, tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_helpers.ddp_rank, args=(r, 2, str(tmp_path / "init"), handles, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert not set(got[0]) & set(got[1])
+    assert sorted(got[0] + got[1]) == list(range(24))
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
+        StorageDataset([], batch_size=0)
+    with pytest.raises(ValueError, match="collate_fn needs batch_size"):
+        StorageDataset([], collate_fn=list)
+    with pytest.raises(TypeError, match=r"source\[1\] is a int"):
+        StorageDataset([FileStorage("x"), 3])

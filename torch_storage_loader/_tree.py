@@ -214,6 +214,12 @@ def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
     return _Decoder(make_leaf).walk(spec)
 
 
+@functools.lru_cache(maxsize=256)
+def _numpy_dtype(dtype_str: str) -> tuple[np.dtype, bool]:
+    dtype = np.dtype(dtype_str)
+    return dtype, dtype.kind in "biufc" and dtype.isnative
+
+
 def _numpy_to_tensor(arr: np.ndarray) -> Any:
     # As DataLoader's default_convert does: numeric arrays become tensors sharing their memory.
     if arr.dtype.kind in "biufc" and arr.dtype.isnative:
@@ -228,13 +234,16 @@ def build(header: Header, buf, opts: ReadOptions = ReadOptions(), *, path: str =
     """
     u8 = np.frombuffer(buf, np.uint8)
     as_tensors = opts.as_tensors
+    arrays = header.arrays
 
     def make_leaf(i: int) -> Any:
-        e = header.arrays[i]
-        raw = u8[e.offset: e.offset + e.nbytes]
-        if e.kind == "numpy":
-            arr = raw.view(e.dtype).reshape(e.shape)
-            return _numpy_to_tensor(arr) if as_tensors else arr
+        kind, dtype_str, shape, offset, nbytes = arrays[i]
+        raw = u8[offset: offset + nbytes]
+        if kind == "numpy":
+            dtype, tensorable = _numpy_dtype(dtype_str)
+            arr = raw.view(dtype).reshape(shape)
+            return torch.from_numpy(arr) if as_tensors and tensorable else arr
+        e = arrays[i]
         if e.kind == "torch":
             dtype = _TORCH_DTYPES[e.dtype]
             if not e.nbytes:

@@ -109,3 +109,39 @@ def ddp_rank(rank: int, world: int, init_file: str, handles, out) -> None:
         out.put((rank, [int(s["info"]["id"]) for s in dl]))
     finally:
         dist.destroy_process_group()
+
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+
+class Tiny(pl.LightningModule):
+    """A small model that regresses reward from obs, recording the sample ids it trains on."""
+
+    def __init__(self, record_dir: str | None = None, fail_at: int | None = None):
+        super().__init__()
+        self.net = torch.nn.Linear(4 * 8 * 8, 1)
+        self.seen: list[int] = []
+        self.record_dir, self.fail_at = record_dir, fail_at
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at is not None and batch_idx == self.fail_at:
+            raise ValueError("boom in training_step")
+        obs = batch["obs"].reshape(*batch["obs"].shape[:-3], -1)
+        loss = torch.nn.functional.mse_loss(self.net(obs).squeeze(-1), batch["reward"])
+        ids = batch["info"]["id"]
+        self.seen += ids.tolist() if isinstance(ids, torch.Tensor) else [int(ids)]
+        self.log("loss", loss)
+        return loss
+
+    def on_train_end(self):
+        if self.record_dir is not None:
+            with open(os.path.join(self.record_dir, f"rank{self.global_rank}.txt"), "w") as f:
+                f.write(" ".join(map(str, self.seen)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def tiny_model(record_dir: str | None = None, fail_at: int | None = None) -> Tiny:
+    return Tiny(record_dir, fail_at)

@@ -1,0 +1,142 @@
+"""StorageDataModule with a real Lightning Trainer: finite and streaming sources, resume, DDP."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import _helpers
+from conftest import traj
+from torch_storage_loader import FileStorage, StorageQueue
+from torch_storage_loader.lightning import StorageDataModule, StorageStatsCallback
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*GPU available but not used:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory.*exists and is not empty:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*isinstance.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning"),
+    pytest.mark.filterwarnings("ignore:.*You are using a CUDA device.*"),
+    pytest.mark.filterwarnings("ignore:.*The number of training batches.*:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*consider setting `persistent_workers=True`.*:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*restarting mid-epoch.*:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
+]
+
+
+def trainer(tmp_path, **kw):
+    kw.setdefault("max_steps", 6)
+    return pl.Trainer(accelerator="cpu", devices=1, logger=pl.loggers.CSVLogger(tmp_path / "logs"),
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                      callbacks=[StorageStatsCallback()] + kw.pop("callbacks", []), **kw)
+
+
+@pytest.fixture
+def handles(tmp_path):
+    d = tmp_path / "store"
+    d.mkdir()
+    out = []
+    for i in range(24):
+        s = FileStorage(d / f"{i:04d}.tsl")
+        s.save(traj(i))
+        out.append(s)
+    return out
+
+
+def test_fit_finite_source_with_epochs(tmp_path, handles):
+    dm = StorageDataModule(handles, batch_size=4, num_workers=2)
+    model = _helpers.tiny_model()
+    t = trainer(tmp_path, max_epochs=2, max_steps=-1)
+    t.fit(model, datamodule=dm)
+    assert sorted(model.seen) == sorted(list(range(24)) * 2)
+    logged = t.logged_metrics
+    assert "loss" in logged and "loader/slot_loads" in logged and "loader/gb_per_s" in logged
+    assert float(logged["loader/slot_loads"]) > 0
+    dm.teardown("fit")
+
+
+def test_fit_streaming_source_fed_by_producers(tmp_path):
+    q = StorageQueue()
+    ctx = mp.get_context("spawn")
+    producers = [ctx.Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 12)) for k in range(2)]
+    for p in producers:
+        p.start()
+    dm = StorageDataModule(q, batch_size=2, num_workers=2)
+    model = _helpers.tiny_model()
+    t = trainer(tmp_path, max_steps=8)
+    t.fit(model, datamodule=dm)
+    for p in producers:
+        p.join()
+    assert len(model.seen) == 16 and len(set(model.seen)) == 16
+    assert set(model.seen) <= set(range(12)) | set(range(100, 112))
+    dm.teardown("fit")
+    q.close()
+
+
+def test_resume_from_mid_epoch_checkpoint(tmp_path, handles):
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    dm = StorageDataModule(handles, batch_size=2, num_workers=2)
+    first = _helpers.tiny_model()
+    trainer(tmp_path, max_steps=3, callbacks=[ckpt]).fit(first, datamodule=dm)
+    dm.teardown("fit")
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    dm2 = StorageDataModule(handles, batch_size=2, num_workers=2)
+    second = _helpers.tiny_model()
+    trainer(tmp_path, max_epochs=1, max_steps=-1).fit(second, datamodule=dm2, ckpt_path=str(path))
+    dm2.teardown("fit")
+    assert sorted(first.seen + second.seen) == list(range(24))
+
+
+def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
+    dm = StorageDataModule(handles, batch_size=2, num_workers=1)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=tmp_path)
+    t.fit(_helpers.tiny_model(str(rec)), datamodule=dm)
+    seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(24))
+
+
+def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
+    q = StorageQueue()
+    ctx = mp.get_context("spawn")
+    producers = [ctx.Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 20)) for k in range(2)]
+    for p in producers:
+        p.start()
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    dm = StorageDataModule(q, batch_size=2, num_workers=1)
+    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=tmp_path)
+    t.fit(_helpers.tiny_model(str(rec)), datamodule=dm)
+    for p in producers:
+        p.join()
+    q.close()
+    seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) == 10
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_exception_in_fit_leaves_nothing_behind(tmp_path, handles):
+    dm = StorageDataModule(handles, batch_size=2, num_workers=2)
+    with pytest.raises(ValueError, match="boom in training_step"):
+        trainer(tmp_path).fit(_helpers.tiny_model(fail_at=2), datamodule=dm)
+    # the no_leaks fixture checks that the workers and shared memory are gone
+
+
+def test_datamodule_is_picklable_and_saves_hyperparameters(handles):
+    dm = StorageDataModule(handles, batch_size=4, num_workers=2)
+    back = pickle.loads(pickle.dumps(dm))
+    assert back.batch_size == 4 and dm.hparams["batch_size"] == 4 and dm.hparams["num_workers"] == 2
+    with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
+        StorageDataModule(handles, num_workers=-1)

@@ -1,0 +1,206 @@
+"""Lightning integration: ``StorageDataModule`` and ``StorageStatsCallback``.
+
+Imported only when used (``from torch_storage_loader.lightning import StorageDataModule``), so the
+core library does not import Lightning.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ._slots import retire_rings
+from .dataset import StorageDataset
+
+__all__ = ["StorageDataModule", "StorageStatsCallback"]
+
+
+class _ConsumedStateLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose ``state_dict`` covers the batches the model consumed.
+
+    Lightning fetches one batch ahead of the one it trains on; a plain loader's state would count
+    that batch as used, and a run resumed from a mid-epoch checkpoint would skip it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded_states: collections.deque = collections.deque()
+        self._consumed_state: dict | None = None
+
+    def __iter__(self):
+        self._yielded_states.clear()
+        self._consumed_state = None
+        for batch in super().__iter__():
+            self._yielded_states.append(super().state_dict())
+            yield batch
+
+    def mark_consumed(self) -> None:
+        if self._yielded_states:
+            self._consumed_state = self._yielded_states.popleft()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._consumed_state if self._consumed_state is not None else super().state_dict()
+
+
+class StorageDataModule(pl.LightningDataModule):
+    """A ``LightningDataModule`` over ``StorageDataset``.
+
+    ``source`` (and the optional ``val_source``) is anything ``StorageDataset`` takes. The train
+    loader is a ``torchdata`` ``StatefulDataLoader``: Lightning checkpoints its ``state_dict``, so a
+    run resumed from a mid-epoch checkpoint neither repeats nor skips samples of a finite source.
+    ``batch_size`` batches inside the dataset (samples are stacked straight into shared memory).
+    """
+
+    def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
+                 num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
+                 pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable | None = None,
+                 slots_per_worker: int = 4, on_error: str = "raise", multiprocessing_context: str | None = None) -> None:
+        super().__init__()
+        if num_workers < 0:
+            raise ValueError(f"{num_workers=} must be >= 0")
+        self.save_hyperparameters(ignore=["source", "val_source", "collate_fn"])
+        self.source = source
+        self.val_source = val_source
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor if num_workers else None
+        self.persistent_workers = bool(num_workers) if persistent_workers is None else persistent_workers
+        self.pin_memory = pin_memory
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+        self.slots_per_worker = slots_per_worker
+        self.on_error = on_error
+        self.multiprocessing_context = multiprocessing_context if num_workers else None
+        self.train_dataset: StorageDataset | None = None
+        self.val_dataset: StorageDataset | None = None
+        self._loaders: list = []
+        self._train_loader: _ConsumedStateLoader | None = None
+        self._hide_val_if_unused()
+
+    def _hide_val_if_unused(self) -> None:
+        # Lightning runs (and warns about) a validation loop whenever val_dataloader is overridden.
+        if self.val_source is None:
+            self.val_dataloader = super().val_dataloader
+
+    def prepare_data(self) -> None:
+        """Nothing to download or write: producers fill the source."""
+
+    def _dataset(self, source: Any) -> StorageDataset:
+        return StorageDataset(source, batch_size=self.batch_size, drop_last=self.drop_last,
+                              collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
+                              on_error=self.on_error)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in ("fit", None) and self.train_dataset is None:
+            self.train_dataset = self._dataset(self.source)
+        if stage in ("fit", "validate", None) and self.val_source is not None and self.val_dataset is None:
+            self.val_dataset = self._dataset(self.val_source)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.training and self._train_loader is not None:
+            self._train_loader.mark_consumed()
+        return batch
+
+    def _loader(self, dataset: StorageDataset) -> StatefulDataLoader:
+        loader = _ConsumedStateLoader(
+            dataset, batch_size=None, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+            persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context)
+        self._loaders.append(loader)
+        return loader
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        self._train_loader = self._loader(self.train_dataset)
+        return self._train_loader
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        if self.val_dataset is None:
+            self.setup("validate")
+        return self._loader(self.val_dataset)
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Stop every worker of the loaders this module made and release their shared memory."""
+        for loader in self._loaders:
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()  # as Lightning does for DataLoader's own iterators
+            loader._iterator = None
+        self._loaders.clear()
+        self._train_loader = None
+        retire_rings(dead_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        stats = self.train_dataset.stats() if self.train_dataset is not None else {}
+        return {"train_stats": stats}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loader progress is restored by Lightning from the StatefulDataLoader's own state."""
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_loaders"], state["_train_loader"] = [], None
+        state.pop("val_dataloader", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._hide_val_if_unused()
+
+
+class StorageStatsCallback(pl.Callback):
+    """Logs loader figures next to the loss, and tears the data module down on an exception.
+
+    Logged per step: ``loader/samples_per_s``, ``loader/gb_per_s``, ``loader/slot_loads``,
+    ``loader/fallbacks``, ``loader/wait_s`` (time the trainer waited for this batch) and
+    ``loader/wait_total_s``.
+    """
+
+    def __init__(self, prog_bar: bool = False) -> None:
+        self.prog_bar = prog_bar
+        self.wait_total = 0.0
+        self._batch_end = None
+        self._start = None
+        self._last: dict[str, float] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = self._batch_end = time.perf_counter()
+        self.wait_total = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        wait = now - self._batch_end if self._batch_end is not None else 0.0
+        self.wait_total += wait
+        dm = trainer.datamodule
+        stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset else {}
+        elapsed = max(now - (self._start or now), 1e-9)
+        self._last = {
+            "loader/wait_s": wait,
+            "loader/wait_total_s": self.wait_total,
+            "loader/samples_per_s": stats.get("loads", 0) * (self.batch_size_of(dm)) / elapsed,
+            "loader/gb_per_s": stats.get("bytes", 0) / elapsed / 1e9,
+            "loader/slot_loads": float(stats.get("slot_loads", 0)),
+            "loader/fallbacks": float(stats.get("fallbacks", 0)),
+        }
+        pl_module.log_dict(self._last, on_step=True, on_epoch=False, prog_bar=self.prog_bar,
+                           batch_size=1, sync_dist=False)
+
+    @staticmethod
+    def batch_size_of(dm) -> int:
+        return getattr(dm, "batch_size", None) or 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._batch_end = time.perf_counter()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(trainer.datamodule, StorageDataModule):
+            trainer.datamodule.teardown("fit")
+
+    def summary(self) -> dict[str, float]:
+        return dict(self._last)

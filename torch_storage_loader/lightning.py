@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._slots import retire_rings
@@ -165,6 +166,8 @@ class StorageStatsCallback(pl.Callback):
     def __init__(self, prog_bar: bool = False) -> None:
         self.prog_bar = prog_bar
         self.wait_total = 0.0
+        self.batches = 0
+        self.bytes = 0
         self._batch_end = None
         self._start = None
         self._last: dict[str, float] = {}
@@ -172,11 +175,14 @@ class StorageStatsCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = self._batch_end = time.perf_counter()
         self.wait_total = 0.0
+        self.batches = self.bytes = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
         wait = now - self._batch_end if self._batch_end is not None else 0.0
         self.wait_total += wait
+        self.batches += 1
+        self.bytes += sum(t.nbytes for t in _tensors(batch))
         dm = trainer.datamodule
         stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset else {}
         elapsed = max(now - (self._start or now), 1e-9)
@@ -198,9 +204,27 @@ class StorageStatsCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._batch_end = time.perf_counter()
 
+    @property
+    def train_seconds(self) -> float:
+        """From the start of training to the end of the last batch."""
+        if self._start is None or self._batch_end is None:
+            return 0.0
+        return self._batch_end - self._start
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(trainer.datamodule, StorageDataModule):
             trainer.datamodule.teardown("fit")
 
     def summary(self) -> dict[str, float]:
         return dict(self._last)
+
+
+def _tensors(x: Any):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict) or hasattr(x, "items"):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)

@@ -68,6 +68,18 @@ def produce(queue, directory: str, start: int, count: int) -> None:
     loader.shutdown()
 
 
+def start_producers(queue, root, count: int, n: int = 2) -> list:
+    """Start ``n`` spawned producers; producer k puts ids 100k .. 100k+count-1."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=produce, args=(queue, os.path.join(str(root), f"p{k}"), 100 * k, count))
+             for k in range(n)]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def produce_then_die(queue, directory: str) -> None:
     from conftest import traj
     from torch_storage_loader import FileStorageLoader

@@ -106,6 +106,21 @@ def tmp_store(tmp_path):
     assert not d.exists() or not [p for p in d.iterdir() if p.name.endswith(".tmp")], "temporary files left"
 
 
+@pytest.fixture
+def handles(tmp_path):
+    """24 saved trajectories, tagged 0..23."""
+    from torch_storage_loader import FileStorage
+
+    d = tmp_path / "store"
+    d.mkdir()
+    out = []
+    for i in range(24):
+        s = FileStorage(d / f"{i:04d}.tsl")
+        s.save(traj(i))
+        out.append(s)
+    return out
+
+
 def traj(i: int, n: int = 8) -> dict:
     """A small RL trajectory tagged with ``i`` everywhere."""
     return {

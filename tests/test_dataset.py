@@ -15,21 +15,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import _helpers
-from conftest import START_METHODS, traj
-from torch_storage_loader import (FileStorage, FileStorageLoader, ProducerDiedError, SampleMismatchError,
+from conftest import START_METHODS
+from torch_storage_loader import (FileStorage, ProducerDiedError, SampleMismatchError,
                                   StorageCorruptError, StorageDataset, StorageQueue, end_directory_stream)
-
-
-@pytest.fixture
-def handles(tmp_path):
-    d = tmp_path / "store"
-    d.mkdir()
-    out = []
-    for i in range(24):
-        s = FileStorage(d / f"{i:04d}.tsl")
-        s.save(traj(i))
-        out.append(s)
-    return out
 
 
 def ids_of(samples, batched=False):

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
-import warnings
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 import _helpers
-from conftest import traj
-from torch_storage_loader import FileStorage, StorageQueue
+from torch_storage_loader import StorageQueue
 from torch_storage_loader.lightning import StorageDataModule, StorageStatsCallback
 
 pytestmark = [
@@ -37,18 +33,6 @@ def trainer(tmp_path, **kw):
                       callbacks=[StorageStatsCallback()] + kw.pop("callbacks", []), **kw)
 
 
-@pytest.fixture
-def handles(tmp_path):
-    d = tmp_path / "store"
-    d.mkdir()
-    out = []
-    for i in range(24):
-        s = FileStorage(d / f"{i:04d}.tsl")
-        s.save(traj(i))
-        out.append(s)
-    return out
-
-
 def test_fit_finite_source_with_epochs(tmp_path, handles):
     dm = StorageDataModule(handles, batch_size=4, num_workers=2)
     model = _helpers.tiny_model()
@@ -63,10 +47,7 @@ def test_fit_finite_source_with_epochs(tmp_path, handles):
 
 def test_fit_streaming_source_fed_by_producers(tmp_path):
     q = StorageQueue()
-    ctx = mp.get_context("spawn")
-    producers = [ctx.Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 12)) for k in range(2)]
-    for p in producers:
-        p.start()
+    producers = _helpers.start_producers(q, tmp_path, 12)
     dm = StorageDataModule(q, batch_size=2, num_workers=2)
     model = _helpers.tiny_model()
     t = trainer(tmp_path, max_steps=8)
@@ -108,10 +89,7 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
 
 def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     q = StorageQueue()
-    ctx = mp.get_context("spawn")
-    producers = [ctx.Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 20)) for k in range(2)]
-    for p in producers:
-        p.start()
+    producers = _helpers.start_producers(q, tmp_path, 20)
     rec = tmp_path / "rec"
     rec.mkdir()
     dm = StorageDataModule(q, batch_size=2, num_workers=1)

@@ -14,7 +14,6 @@ import glob
 import multiprocessing as mp
 import os
 import tempfile
-import time
 import warnings
 
 import numpy as np

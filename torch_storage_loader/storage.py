@@ -63,8 +63,6 @@ class FileStorage(Storage):
 
     def load(self) -> Any:
         """Read the sample in this process; its arrays are views onto one private buffer."""
-        from ._tree import build
-
         return self._load(_format.ReadOptions(self.allow_pickle))
 
     def _load(self, opts: _format.ReadOptions) -> Any:

@@ -21,6 +21,7 @@ from .errors import InsufficientSharedMemoryError
 __all__ = ["ShmSegment", "shm_dir"]
 
 ENV_DIR = "TORCH_STORAGE_LOADER_SHM_DIR"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_dir() -> str:
@@ -80,9 +81,12 @@ class ShmSegment:
         if size <= 0:
             raise ValueError(f"{size=} must be > 0")
         self.size = size
-        fd = _create_fd(size, purpose) if fd is None else fd
+        creator = fd is None
+        fd = _create_fd(size, purpose) if creator else fd
         try:
-            self.mm = mmap.mmap(fd, size)
+            # The creator fills every page, so it maps them all in one go instead of one fault each;
+            # a receiver faults in only the pages it reads.
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if creator else 0))
         except BaseException:
             os.close(fd)
             raise

@@ -86,7 +86,10 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
             f"tensor at {format_path(path)} has dtype {t.dtype}, which cannot be stored as raw bytes",
             key_path=format_path(path),
         )
-    flat = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
+    t = t.detach()
+    if t.device.type != "cpu" or t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
+    flat = t.reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     return Leaf("torch", name, tuple(t.shape), data)
 

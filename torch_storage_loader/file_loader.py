@@ -50,9 +50,12 @@ class FileStorageLoader(StorageLoader):
 
     def save(self, obj: Any) -> FileStorage:
         """Write ``obj`` to a new file atomically and return its handle."""
-        os.makedirs(self.dirname, exist_ok=True)
         storage = FileStorage(os.path.join(self.dirname, new_file_name()), allow_pickle=self.allow_pickle)
-        storage.save(obj, fsync=self.fsync)
+        try:
+            storage.save(obj, fsync=self.fsync)
+        except FileNotFoundError:  # the directory does not exist (yet, or any more)
+            os.makedirs(self.dirname, exist_ok=True)
+            storage.save(obj, fsync=self.fsync)
         with self._files_lock:
             self._files[storage.path] = [time.monotonic(), False]
             if self.ttl is not None and self._cleaner is None:

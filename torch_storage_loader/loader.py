@@ -105,7 +105,7 @@ class StorageLoader(ABC):
     Callbacks run on the loader's receiving thread, one at a time, in completion order.
     """
 
-    def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_inflight_per_worker: int = 2,
+    def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_inflight_per_worker: int = 4,
                  mp_context: str | mp.context.BaseContext | None = None) -> None:
         if worker_num < 1:
             raise ValueError(f"{worker_num=} must be >= 1")

@@ -77,7 +77,7 @@ def test_in_order_false_and_pin_memory(handles):
 
 
 def test_kept_batches_never_change(handles):
-    ds = StorageDataset(handles, slots_per_worker=2)
+    ds = StorageDataset(handles, slots_per_worker=2, max_rings_per_worker=2)
     kept = list(DataLoader(ds, batch_size=None, num_workers=2))
     again = list(DataLoader(ds, batch_size=None, num_workers=2))  # more loads while all are kept
     for s in kept + again:

@@ -60,7 +60,7 @@ def test_roundtrip_through_workers(tmp_store, method):
 
 
 def test_kept_samples_are_never_overwritten(tmp_store):
-    with FileStorageLoader(tmp_store, worker_num=2, slots_per_worker=2) as loader:
+    with FileStorageLoader(tmp_store, worker_num=2, slots_per_worker=2, max_rings_per_worker=2) as loader:
         storages = [loader.save(traj(i)) for i in range(20)]
         out = collect(loader, storages, keep=True)
         more = collect(loader, [loader.save(traj(100 + i)) for i in range(10)], keep=True)
@@ -69,7 +69,7 @@ def test_kept_samples_are_never_overwritten(tmp_store):
         assert_same(traj(i), sample)  # still intact after 10 more loads
     for i, sample in enumerate(more):
         assert_same(traj(100 + i), sample)
-    assert stats.fallbacks > 0 and stats.slot_loads >= 4
+    assert stats.fallbacks > 0 and stats.slot_loads >= 8 and stats.regrows >= 2  # rings were added
 
 
 def test_dropped_samples_free_their_slots(tmp_store):

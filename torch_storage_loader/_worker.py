@@ -38,41 +38,61 @@ class FillInfo:
 
 
 class SlotFiller:
-    """A worker's ring, sized from a hint (the first sample) and regrown when a sample outgrows it.
+    """A worker's rings of slots, sized from a hint (the first sample).
+
+    When every slot is leased (the consumer keeps what it got), another ring of the same size is
+    added, up to ``max_rings``; past that, a sample gets a segment of its own (a fallback). A
+    sample larger than a slot replaces the rings by one with larger slots.
 
     ``fill`` / ``fill_batch`` return ``(FillInfo, payload)``: the payload is a small picklable
     reference that unpickles, in the receiving process, into the sample backed by shared memory.
     """
 
-    def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False) -> None:
+    def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False,
+                 max_rings: int = 8) -> None:
         self.n_slots = n_slots
         self.as_tensors = as_tensors
         self.hint = slot_size_hint
-        self.ring: SlotRing | None = None
+        self.max_rings = max_rings
+        self.rings: list[SlotRing] = []
         self._retired: list[str] = []
         self._scratch = memoryview(bytearray(ALIGN))
 
+    @property
+    def ring(self) -> SlotRing | None:
+        return self.rings[-1] if self.rings else None
+
     # ----------------------------------------------------------------------- where bytes go
+    def _acquire(self, nbytes: int) -> tuple[SlotRing | None, tuple[int, int] | None, bool]:
+        grew = False
+        if not self.rings or nbytes > self.rings[0].slot_size:
+            regrow = bool(self.rings)
+            for ring in self.rings:
+                self._retired.append(ring.uid)
+                ring.close()
+            size = int(nbytes * GROWTH) if regrow else max(nbytes, self.hint)
+            self.rings = [SlotRing(self.n_slots, page_round(size))]
+            grew = regrow
+        for ring in self.rings:
+            slot = ring.acquire()
+            if slot is not None:
+                return ring, slot, grew
+        if len(self.rings) < self.max_rings:
+            self.rings.append(SlotRing(self.n_slots, self.rings[0].slot_size))
+            return self.rings[-1], self.rings[-1].acquire(), True
+        return None, None, grew
+
     def _target(self, nbytes: int, path: str, opts: ReadOptions) -> tuple[memoryview, Callable, FillInfo, Callable]:
         """A writable view of ``nbytes``, a function turning its header into the payload, stats,
         and a function that gives the target back if filling it fails."""
         if not nbytes:
             return (memoryview(bytearray()), lambda h: BytesRef(h, bytearray(), path, opts), FillInfo("slot", 0),
                     _nothing)
-        regrew = False
-        if self.ring is None or nbytes > self.ring.slot_size:
-            if self.ring is not None:
-                self._retired.append(self.ring.uid)
-                self.ring.close()
-                regrew = True
-            size = int(nbytes * GROWTH) if regrew else max(nbytes, self.hint)
-            self.ring = SlotRing(self.n_slots, page_round(size))
-        slot = self.ring.acquire()
-        if slot is None:
+        ring, slot, grew = self._acquire(nbytes)
+        if ring is None:
             segment = ShmSegment(nbytes, purpose="a fallback segment (every slot is still leased)")
             return (memoryview(segment.mm)[:nbytes], lambda h: OneOffRef(h, segment, path, opts),
-                    FillInfo("fallback", nbytes, regrew), segment.close)
-        ring = self.ring
+                    FillInfo("fallback", nbytes, grew), segment.close)
 
         def payload(header: Header) -> SlotRef:
             ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, opts,
@@ -81,7 +101,7 @@ class SlotFiller:
             self._retired.clear()
             return ref
 
-        return ring.view(slot[0], nbytes), payload, FillInfo("slot", nbytes, regrew), lambda: ring.unacquire(slot[0])
+        return ring.view(slot[0], nbytes), payload, FillInfo("slot", nbytes, grew), lambda: ring.unacquire(slot[0])
 
     # ------------------------------------------------------------------------- single samples
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
@@ -175,8 +195,8 @@ class SlotFiller:
         from ._tree import build
 
         if isinstance(payload, SlotRef):
-            ring = self.ring
-            if ring is None or ring.uid != payload.ring_uid:
+            ring = next((r for r in self.rings if r.uid == payload.ring_uid), None)
+            if ring is None:
                 raise RuntimeError("the slot's ring was replaced before the sample was used")
             if payload.segment is not None:
                 ring.sent = False  # the receiver never saw it: send it with the next reference
@@ -197,9 +217,9 @@ class SlotFiller:
             payload.segment.close()
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        for ring in self.rings:
+            ring.close()
+        self.rings = []
 
 
 def _nothing() -> None:
@@ -258,11 +278,11 @@ def unpack_exception(exc: BaseException, tb: str) -> BaseException:
     return exc
 
 
-def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str) -> None:
+def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str, max_rings: int = 8) -> None:
     """A StorageLoader worker: serve ``(request_id, storage)`` until ``None`` or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     os.environ[ENV_DIR] = shm_directory
-    filler = SlotFiller(n_slots, slot_size_hint)
+    filler = SlotFiller(n_slots, slot_size_hint, max_rings=max_rings)
     try:
         while True:
             try:

@@ -95,7 +95,7 @@ class StorageDataset(IterableDataset):
 
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list], Any] | None = None, slots_per_worker: int = 4,
-                 on_error: str = "raise") -> None:
+                 max_rings_per_worker: int = 8, on_error: str = "raise") -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
@@ -103,6 +103,8 @@ class StorageDataset(IterableDataset):
             raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
         if slots_per_worker < 1:
             raise ValueError(f"{slots_per_worker=} must be >= 1")
+        if max_rings_per_worker < 1:
+            raise ValueError(f"{max_rings_per_worker=} must be >= 1")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
         self.source = as_source(source)
@@ -110,6 +112,7 @@ class StorageDataset(IterableDataset):
         self.drop_last = drop_last
         self.collate_fn = collate_fn
         self.slots_per_worker = slots_per_worker
+        self.max_rings_per_worker = max_rings_per_worker
         self.on_error = on_error
         self._uid = uuid.uuid4().hex
         self._dist: tuple[int, int] | None = None
@@ -183,7 +186,7 @@ class StorageDataset(IterableDataset):
     def _filler_for(self, in_worker: bool) -> SlotFiller:
         if self._filler is None or self._filler_pid != os.getpid():
             cls = SlotFiller if in_worker else LocalFiller
-            self._filler = cls(self.slots_per_worker, as_tensors=True)
+            self._filler = cls(self.slots_per_worker, as_tensors=True, max_rings=self.max_rings_per_worker)
             self._filler_pid = os.getpid()
         return self._filler
 

@@ -59,7 +59,8 @@ class StorageDataModule(pl.LightningDataModule):
     def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
                  num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
                  pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable | None = None,
-                 slots_per_worker: int = 4, on_error: str = "raise", multiprocessing_context: str | None = None) -> None:
+                 slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
+                 multiprocessing_context: str | None = None) -> None:
         super().__init__()
         if num_workers < 0:
             raise ValueError(f"{num_workers=} must be >= 0")
@@ -74,6 +75,7 @@ class StorageDataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.collate_fn = collate_fn
         self.slots_per_worker = slots_per_worker
+        self.max_rings_per_worker = max_rings_per_worker
         self.on_error = on_error
         self.multiprocessing_context = multiprocessing_context if num_workers else None
         self.train_dataset: StorageDataset | None = None
@@ -93,6 +95,7 @@ class StorageDataModule(pl.LightningDataModule):
     def _dataset(self, source: Any) -> StorageDataset:
         return StorageDataset(source, batch_size=self.batch_size, drop_last=self.drop_last,
                               collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
+                              max_rings_per_worker=self.max_rings_per_worker,
                               on_error=self.on_error)
 
     def setup(self, stage: str | None = None) -> None:

@@ -43,8 +43,8 @@ class LoaderStats:
     bytes: int = 0  # array bytes delivered
     errors: int = 0  # loads that failed
     slot_loads: int = 0  # delivered through a shared-memory slot
-    fallbacks: int = 0  # delivered through the pipe (every slot still leased)
-    regrows: int = 0  # a worker's ring was replaced by a larger one
+    fallbacks: int = 0  # delivered in a segment of its own (every slot of every ring still leased)
+    regrows: int = 0  # a worker added a ring (slots all leased) or replaced its rings by larger ones
     retries: int = 0  # loads retried after their worker died
     worker_restarts: int = 0
     queued: int = 0  # loads that waited because every worker was busy
@@ -101,20 +101,25 @@ class StorageLoader(ABC):
     """Loads ``Storage`` handles in ``worker_num`` processes and calls back with the samples.
 
     The first ``load`` reads in the calling thread and sizes each worker's ring of
-    ``slots_per_worker`` shared-memory slots from that sample; later loads run in the workers.
+    ``slots_per_worker`` shared-memory slots from that sample; later loads run in the workers. A
+    worker whose slots are all still held by the consumer adds rings, up to
+    ``max_rings_per_worker``, then gives each further sample a segment of its own (a fallback).
     Callbacks run on the loader's receiving thread, one at a time, in completion order.
     """
 
-    def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_inflight_per_worker: int = 4,
-                 mp_context: str | mp.context.BaseContext | None = None) -> None:
+    def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_rings_per_worker: int = 8,
+                 max_inflight_per_worker: int = 4, mp_context: str | mp.context.BaseContext | None = None) -> None:
         if worker_num < 1:
             raise ValueError(f"{worker_num=} must be >= 1")
         if slots_per_worker < 1:
             raise ValueError(f"{slots_per_worker=} must be >= 1")
+        if max_rings_per_worker < 1:
+            raise ValueError(f"{max_rings_per_worker=} must be >= 1")
         if max_inflight_per_worker < 1:
             raise ValueError(f"{max_inflight_per_worker=} must be >= 1")
         self._worker_num = worker_num
         self._slots = slots_per_worker
+        self._max_rings = max_rings_per_worker
         self._max_inflight = max_inflight_per_worker
         if isinstance(mp_context, str):
             mp_context = mp.get_context(mp_context)
@@ -272,7 +277,7 @@ class StorageLoader(ABC):
         parent, child = self._ctx.Pipe(duplex=True)
         # The shared-memory directory is passed explicitly: a forkserver started earlier would
         # otherwise hand its own, older environment to the worker.
-        proc = self._ctx.Process(target=run_worker, args=(child, self._slots, self._hint, shm_dir()),
+        proc = self._ctx.Process(target=run_worker, args=(child, self._slots, self._hint, shm_dir(), self._max_rings),
                                  name=f"tsl-loader-worker-{index}", daemon=True)
         proc.start()
         child.close()

@@ -373,18 +373,24 @@ class StorageLoader(ABC):
         except (EOFError, OSError):
             return False
         with self._lock:
-            req = worker.inflight.pop(key, None)
+            req = worker.inflight.get(key)
+        obj, error = None, None
         if info is None:
-            if req is not None:
-                self._finish(req, error=unpack_exception(*payload))
+            error = unpack_exception(*payload)
+        else:
+            try:
+                # Maps the slot (its descriptor may come from the worker, which must still be
+                # running: the request stays in flight, so shutdown waits, until this is done).
+                obj = ForkingPickler.loads(payload)
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+        with self._lock:
+            worker.inflight.pop(key, None)
+        if req is None:  # cancelled by shutdown(timeout); dropping obj frees its slot
             return True
-        try:
-            obj = ForkingPickler.loads(payload)  # maps the slot; a dropped result frees it again
-        except BaseException as exc:  # noqa: BLE001
-            if req is not None:
-                self._finish(req, error=exc)
-            return True
-        if req is not None:
+        if error is not None:
+            self._finish(req, error=error)
+        else:
             self._count_delivery(info, obj)
             self._finish(req, result=obj)
         return True

@@ -246,18 +246,17 @@ def build(header: Header, buf, opts: ReadOptions = ReadOptions(), *, path: str =
             dtype, tensorable = _numpy_dtype(dtype_str)
             arr = raw.view(dtype).reshape(shape)
             return torch.from_numpy(arr) if as_tensors and tensorable else arr
-        e = arrays[i]
-        if e.kind == "torch":
-            dtype = _TORCH_DTYPES[e.dtype]
-            if not e.nbytes:
-                return torch.empty(e.shape, dtype=dtype)
-            return torch.from_numpy(raw).view(dtype).reshape(e.shape)
-        if e.kind == "numpy_scalar":
-            value = raw.view(e.dtype).reshape(())[()]
+        if kind == "torch":
+            dtype = _TORCH_DTYPES[dtype_str]
+            if not nbytes:
+                return torch.empty(shape, dtype=dtype)
+            return torch.from_numpy(raw).view(dtype).reshape(shape)
+        if kind == "numpy_scalar":
+            value = raw.view(dtype_str).reshape(())[()]
             return _numpy_to_tensor(np.asarray(value)) if as_tensors else value
-        if e.kind == "bytes":
+        if kind == "bytes":
             return raw.tobytes()
-        if e.kind == "bytearray":
+        if kind == "bytearray":
             return bytearray(raw)
         if not opts.allow_pickle:
             raise PickleNotAllowedError(

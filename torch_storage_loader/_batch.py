@@ -5,16 +5,12 @@ dimension, read straight from the files with one scatter ``preadv`` per sample.
 
 from __future__ import annotations
 
-from ._format import ALIGN, BYTE_KINDS, ArrayEntry, Header
+from ._format import BYTE_KINDS, ArrayEntry, Header, align
 from .errors import SampleMismatchError
 
 __all__ = ["file_iovecs", "leaf_paths", "plan"]
 
 _SCALARS = ("n", "b", "i", "f", "c", "s")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def leaf_paths(spec: list) -> list[str]:
@@ -93,7 +89,7 @@ def plan(headers: list[Header], names: list[str]) -> Header:
                 key_path=paths[i])
         arrays.append(ArrayEntry("numpy" if e.kind == "numpy_scalar" else e.kind, e.dtype, (k, *e.shape),
                                  offset, k * e.nbytes))
-        offset = _align(offset + k * e.nbytes)
+        offset = align(offset + k * e.nbytes)
     return Header(spec, tuple(arrays), 0, offset)
 
 

@@ -88,27 +88,32 @@ def _header(spec: list, arrays: tuple, data_offset: int, data_size: int) -> Head
     return Header(spec, tuple(map(ArrayEntry._make, arrays)), data_offset, data_size)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def layout(leaves: Sequence) -> tuple[tuple[ArrayEntry, ...], int]:
+    """Where each leaf goes in a data section (each at an aligned offset), and the section's size."""
+    arrays, offset = [], 0
+    for leaf in leaves:
+        arrays.append(ArrayEntry(leaf.kind, leaf.dtype, tuple(leaf.shape), offset, leaf.nbytes))
+        offset = align(offset + leaf.nbytes)
+    return tuple(arrays), offset
 
 
 def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool = False) -> int:
     """Write a file atomically (temporary name, then rename); returns its size in bytes."""
     path = os.fspath(path)
-    arrays, offset = [], 0
-    for leaf in leaves:
-        arrays.append([leaf.kind, leaf.dtype, list(leaf.shape), offset, leaf.nbytes])
-        offset = _align(offset + leaf.nbytes)
-    data_size = _align(arrays[-1][3] + arrays[-1][4]) if arrays else 0
+    arrays, data_size = layout(leaves)
     header = json.dumps({"arrays": arrays, "tree": spec}, sort_keys=True, separators=(",", ":"),
                         allow_nan=False).encode()
-    data_offset = _align(FIXED.size + len(header))
+    data_offset = align(FIXED.size + len(header))
     head = FIXED.pack(MAGIC, VERSION, len(header), data_offset, data_size) + header
     buffers: list = [head + bytes(data_offset - len(head))]
     for leaf, entry in zip(leaves, arrays):
         if leaf.nbytes:
             buffers.append(memoryview(leaf.data))
-        pad = _align(entry[3] + entry[4]) - (entry[3] + entry[4])
+        pad = align(entry.offset + entry.nbytes) - (entry.offset + entry.nbytes)
         if pad:
             buffers.append(bytes(pad))
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
@@ -176,7 +181,7 @@ def parse_header(raw: bytes, path: str, file_size: int | None) -> tuple[Header, 
             "upgrade torch_storage_loader to read it",
             path=path,
         )
-    if header_len > MAX_HEADER or data_offset != _align(FIXED.size + header_len):
+    if header_len > MAX_HEADER or data_offset != align(FIXED.size + header_len):
         raise _corrupt(path, f"header length {header_len} / data offset {data_offset} are inconsistent")
     if file_size is not None and file_size != data_offset + data_size:
         raise _corrupt(path, f"file is truncated or has trailing bytes: {file_size} bytes, "

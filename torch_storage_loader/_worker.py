@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _format
-from ._format import ALIGN, ArrayEntry, Header, ReadOptions
+from ._format import ALIGN, Header, ReadOptions
 from ._batch import file_iovecs, plan
 from ._shm import ENV_DIR, ShmSegment
-from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing, page_round
+from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing
 from .storage import FileStorage, Storage
 
 __all__ = ["FillInfo", "LocalFiller", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
@@ -58,10 +58,6 @@ class SlotFiller:
         self._retired: list[str] = []
         self._scratch = memoryview(bytearray(ALIGN))
 
-    @property
-    def ring(self) -> SlotRing | None:
-        return self.rings[-1] if self.rings else None
-
     # ----------------------------------------------------------------------- where bytes go
     def _acquire(self, nbytes: int) -> tuple[SlotRing | None, tuple[int, int] | None, bool]:
         grew = False
@@ -71,7 +67,7 @@ class SlotFiller:
                 self._retired.append(ring.uid)
                 ring.close()
             size = int(nbytes * GROWTH) if regrow else max(nbytes, self.hint)
-            self.rings = [SlotRing(self.n_slots, page_round(size))]
+            self.rings = [SlotRing(self.n_slots, size)]
             grew = regrow
         for ring in self.rings:
             slot = ring.acquire()
@@ -127,12 +123,9 @@ class SlotFiller:
         from ._tree import encode
 
         spec, leaves = encode(obj, allow_pickle=opts.allow_pickle)
-        arrays, offset = [], 0
-        for leaf in leaves:
-            arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
-            offset = -(-(offset + leaf.nbytes) // ALIGN) * ALIGN
-        header = Header(spec, tuple(arrays), 0, offset)
-        view, payload, info, _ = self._target(offset, path, opts)
+        arrays, size = _format.layout(leaves)
+        header = Header(spec, arrays, 0, size)
+        view, payload, info, _ = self._target(size, path, opts)
         for leaf, e in zip(leaves, arrays):
             view[e.offset: e.offset + e.nbytes] = leaf.data
         del view
@@ -161,7 +154,7 @@ class SlotFiller:
             return info, payload(batch)
         from ._tree import to_tensors
 
-        samples = [_load_plain(s) for s in storages]
+        samples = [s.load() for s in storages]
         if collate_fn is not None:
             return self.fill_object(collate_fn([to_tensors(x) for x in samples]), opts=opts, path=names[0])
         return self._stack_objects(samples, names, opts)
@@ -172,11 +165,8 @@ class SlotFiller:
         encoded = [encode(x, allow_pickle=opts.allow_pickle) for x in samples]
         headers = []
         for spec, leaves in encoded:
-            arrays, offset = [], 0
-            for leaf in leaves:
-                arrays.append(ArrayEntry(leaf.kind, leaf.dtype, leaf.shape, offset, leaf.nbytes))
-                offset += leaf.nbytes
-            headers.append(Header(spec, tuple(arrays), 0, offset))
+            arrays, size = _format.layout(leaves)
+            headers.append(Header(spec, arrays, 0, size))
         batch = plan(headers, names)
         view, payload, info, _ = self._target(batch.data_size, names[0], opts)
         for j, (_, leaves) in enumerate(encoded):
@@ -237,10 +227,6 @@ def _read(fd: int, views: list, offset: int, path: str, abandon: Callable) -> No
 
 def _is_plain_file(storage: Storage) -> bool:
     return isinstance(storage, FileStorage) and type(storage).load is FileStorage.load
-
-
-def _load_plain(storage: Storage) -> Any:
-    return storage.load()
 
 
 class LocalFiller(SlotFiller):

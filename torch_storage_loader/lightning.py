@@ -173,7 +173,6 @@ class StorageStatsCallback(pl.Callback):
         self.bytes = 0
         self._batch_end = None
         self._start = None
-        self._last: dict[str, float] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = self._batch_end = time.perf_counter()
@@ -189,20 +188,15 @@ class StorageStatsCallback(pl.Callback):
         dm = trainer.datamodule
         stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset else {}
         elapsed = max(now - (self._start or now), 1e-9)
-        self._last = {
+        samples = self.batches * (getattr(dm, "batch_size", None) or 1)
+        pl_module.log_dict({
             "loader/wait_s": wait,
             "loader/wait_total_s": self.wait_total,
-            "loader/samples_per_s": stats.get("loads", 0) * (self.batch_size_of(dm)) / elapsed,
-            "loader/gb_per_s": stats.get("bytes", 0) / elapsed / 1e9,
+            "loader/samples_per_s": samples / elapsed,
+            "loader/gb_per_s": self.bytes / elapsed / 1e9,
             "loader/slot_loads": float(stats.get("slot_loads", 0)),
             "loader/fallbacks": float(stats.get("fallbacks", 0)),
-        }
-        pl_module.log_dict(self._last, on_step=True, on_epoch=False, prog_bar=self.prog_bar,
-                           batch_size=1, sync_dist=False)
-
-    @staticmethod
-    def batch_size_of(dm) -> int:
-        return getattr(dm, "batch_size", None) or 1
+        }, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1, sync_dist=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._batch_end = time.perf_counter()
@@ -218,8 +212,6 @@ class StorageStatsCallback(pl.Callback):
         if isinstance(trainer.datamodule, StorageDataModule):
             trainer.datamodule.teardown("fit")
 
-    def summary(self) -> dict[str, float]:
-        return dict(self._last)
 
 
 def _tensors(x: Any):

@@ -252,12 +252,13 @@ class StorageLoader(ABC):
 
     def _first_meet(self, req: _Request) -> None:
         """Load in this thread to learn the sample size, then start the workers sized from it."""
+        from ._format import layout
         from ._tree import encode
 
         try:
             obj = req.storage.load()
             _, leaves = encode(obj, allow_pickle=True)
-            hint = sum(-(-leaf.nbytes // 64) * 64 for leaf in leaves)
+            hint = layout(leaves)[1]
         except BaseException as exc:  # noqa: BLE001 - delivered through the Future
             self._finish(req, error=exc)
             return

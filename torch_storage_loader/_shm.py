@@ -18,7 +18,7 @@ from multiprocessing import reduction
 
 from .errors import InsufficientSharedMemoryError
 
-__all__ = ["ShmSegment", "shm_dir"]
+__all__ = ["ShmSegment", "default_shm_budget", "shm_dir"]
 
 ENV_DIR = "TORCH_STORAGE_LOADER_SHM_DIR"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -30,6 +30,12 @@ def shm_dir() -> str:
     if env:
         return env
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def default_shm_budget() -> int:
+    """The default ``max_shm_bytes`` of a loader or dataset: half the size of the shm filesystem."""
+    st = os.statvfs(shm_dir())
+    return st.f_blocks * st.f_frsize // 2
 
 
 def _human(n: int) -> str:

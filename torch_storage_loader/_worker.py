@@ -8,22 +8,18 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import pickle
-import signal
-import traceback
 import weakref
-from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _format
 from ._format import ALIGN, Header, ReadOptions
 from ._batch import file_iovecs, plan
-from ._shm import ENV_DIR, ShmSegment
+from ._shm import ShmSegment
 from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing
 from .storage import FileStorage, Storage
 
-__all__ = ["FillInfo", "LocalFiller", "RemoteTraceback", "SlotFiller", "pack_exception", "run_worker", "unpack_exception"]
+__all__ = ["FillInfo", "LocalFiller", "SlotFiller"]
 
 GROWTH = 1.25
 
@@ -49,8 +45,9 @@ class SlotFiller:
     """
 
     def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False,
-                 max_rings: int = 8) -> None:
+                 max_rings: int = 8, budget: int | None = None) -> None:
         self.n_slots = n_slots
+        self.budget = budget
         self.as_tensors = as_tensors
         self.hint = slot_size_hint
         self.max_rings = max_rings
@@ -237,60 +234,3 @@ class LocalFiller(SlotFiller):
 
         buf = mmap.mmap(-1, nbytes) if nbytes else bytearray()
         return memoryview(buf), lambda h: build(h, buf, opts, path=path), FillInfo("local", nbytes), _nothing
-
-
-class RemoteTraceback(Exception):
-    """Carries a worker's formatted traceback; set as ``__cause__`` of the re-raised exception."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
-def pack_exception(exc: BaseException) -> tuple[BaseException, str]:
-    tb = "".join(traceback.format_exception(exc))
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        exc = RuntimeError(f"{type(exc).__qualname__}: {exc}")
-    return exc, tb
-
-
-def unpack_exception(exc: BaseException, tb: str) -> BaseException:
-    exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
-    return exc
-
-
-def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str, max_rings: int = 8) -> None:
-    """A StorageLoader worker: serve ``(request_id, storage)`` until ``None`` or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
-    os.environ[ENV_DIR] = shm_directory
-    filler = SlotFiller(n_slots, slot_size_hint, max_rings=max_rings)
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg is None:
-                break
-            request_id, storage = msg
-            try:
-                info, payload = filler.fill(storage)
-                # Pickled here, unpickled apart from the envelope: a failure to map the slot in
-                # the parent is then that request's error, not a broken pipe.
-                reply = (request_id, info, bytes(ForkingPickler.dumps(payload)))
-                filler.sent(payload)
-                del payload
-            except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-                reply = (request_id, None, pack_exception(exc))
-            try:
-                conn.send(reply)
-            except (BrokenPipeError, OSError):
-                break
-    finally:
-        filler.close()
-        conn.close()

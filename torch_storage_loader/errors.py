@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+import traceback
+
 __all__ = [
     "InsufficientSharedMemoryError",
     "LoadCancelledError",
     "PickleNotAllowedError",
+    "RemoteTraceback",
+    "SampleTooLargeError",
     "SampleMismatchError",
     "StorageCorruptError",
     "StorageError",
@@ -60,3 +65,32 @@ class LoadCancelledError(StorageError, RuntimeError):
 
 class InsufficientSharedMemoryError(StorageError, MemoryError):
     """Not enough shared memory for the slots; the message says how much is needed and how to fix it."""
+
+
+class SampleTooLargeError(StorageError, MemoryError):
+    """A sample's data section is larger than the shared-memory budget of one worker."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; set as ``__cause__`` of the re-raised exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def pack_exception(exc: BaseException) -> tuple[BaseException, str]:
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = RuntimeError(f"{type(exc).__qualname__}: {exc}")
+    return exc, tb
+
+
+def unpack_exception(exc: BaseException, tb: str) -> BaseException:
+    exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
+    return exc

@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from ._shm import shm_dir
 from ._slots import retire_rings
-from ._worker import run_worker, unpack_exception
-from .errors import LoadCancelledError, WorkerDiedError
+from ._supervisor import run_worker
+from .errors import LoadCancelledError, WorkerDiedError, unpack_exception
 from .storage import Storage
 
 __all__ = ["LoaderStats", "StorageLoader"]

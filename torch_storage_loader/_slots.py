@@ -5,6 +5,15 @@ slot, generation, header). Unpickling a ``SlotRef`` in the receiving process map
 descriptor travels with the first reference only) and returns the sample as views onto the slot.
 The slot stays leased until every view is gone; then the receiver marks it free in the ring's
 control block, which the worker reads before reusing it. No array bytes cross a pipe.
+
+Lifetimes. A ring's control block holds its identity (checked by every process that maps it), a
+"retired" flag with the number of references the worker sent naming it, and the number the
+receiver got. A worker retires a ring (when samples grow, shrink, or it stops) instead of closing
+it; it unmaps it only once every reference it sent was received and every slot is free, and a
+receiver forgets it under the same condition. So no reference can outlive its ring, and a kept
+sample pins its own slot only: the free slots of a retired ring are given back to the kernel.
+Receivers also forget the rings of a worker process that has exited (``watch=True`` references:
+DataLoader workers, which nobody else supervises).
 """
 
 from __future__ import annotations
@@ -12,20 +21,27 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import selectors
 import threading
 import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._format import Header, ReadOptions
 from ._shm import ShmSegment
+from .errors import ShmTransportError
 
-__all__ = ["BytesRef", "CTRL", "OneOffRef", "SlotRef", "SlotRing", "page_round", "retire_rings"]
+__all__ = ["BytesRef", "CTRL", "MAX_SLOTS", "OneOffRef", "SlotRef", "SlotRing", "mapped_ring_count", "page_round",
+           "retire_rings"]
 
 PAGE = mmap.PAGESIZE
-CTRL = 4096  # control block: one int64 state word per slot (0 = free, else the lease generation)
-MAX_SLOTS = CTRL // 8
+CTRL = 4096  # control block: identity and lifetime words, then one int64 state word per slot
+_UID, _RETIRED, _SENT, _RECEIVED, _STATES = 0, 2, 3, 4, 8  # word offsets (the uid takes two words)
+MAX_SLOTS = CTRL // 8 - _STATES
+_REMOVE = getattr(mmap, "MADV_REMOVE", None)
 
 
 def page_round(n: int) -> int:
@@ -42,61 +58,197 @@ class SlotRing:
         self.n_slots = n_slots
         self.slot_size = page_round(slot_size)
         self.segment = ShmSegment(CTRL + n_slots * self.slot_size, purpose=purpose)
-        self._states = memoryview(self.segment.mm)[:CTRL].cast("q")
+        self.segment.mm[:16] = bytes.fromhex(self.uid)
+        self._words = memoryview(self.segment.mm)[:CTRL].cast("q")
         self._next = 0
         self._generation = 0
-        self.sent = False
+        self._trimmed: set[int] = set()
+        self.sent = 0  # references handed out naming this ring
+        self.segment_sent = False  # the receiver has (or will have) the descriptor
+        self.retired = False
+
+    @property
+    def nbytes(self) -> int:
+        """Shared memory this ring still holds (free slots of a retired ring are given back)."""
+        return CTRL + (self.n_slots - len(self._trimmed)) * self.slot_size
 
     def acquire(self) -> tuple[int, int] | None:
         """A free slot and its new generation, or None when every slot is still leased."""
+        w = self._words
         for k in range(self.n_slots):
             i = (self._next + k) % self.n_slots
-            if self._states[i] == 0:
+            if w[_STATES + i] == 0:
                 self._generation += 1
-                self._states[i] = self._generation
+                w[_STATES + i] = self._generation
                 self._next = i + 1
                 return i, self._generation
         return None
 
     def unacquire(self, slot: int) -> None:
-        self._states[slot] = 0
+        self._words[_STATES + slot] = 0
 
     def release(self, slot: int, generation: int) -> None:
         """Free ``slot`` if it still holds ``generation`` (a lease dropped in this process)."""
-        try:
-            if self._states[slot] == generation:
-                self._states[slot] = 0
-        except ValueError:
-            pass  # the ring was closed (regrown) meanwhile: nobody reuses its slots
+        if self._words[_STATES + slot] == generation:
+            self._words[_STATES + slot] = 0
+
+    def received_here(self) -> None:
+        """A reference was consumed in this process (a DataLoader that collates in its workers)."""
+        self._words[_RECEIVED] += 1
 
     def free_slots(self) -> int:
-        return sum(1 for i in range(self.n_slots) if self._states[i] == 0)
+        w = self._words
+        return sum(1 for i in range(self.n_slots) if w[_STATES + i] == 0)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = CTRL + slot * self.slot_size
         return memoryview(self.segment.mm)[start: start + nbytes]
 
+    def retire(self) -> None:
+        """No more slots from this ring; receivers may forget it once they got every reference."""
+        self._words[_SENT] = self.sent
+        self._words[_RETIRED] = 1
+        self.retired = True
+        self.trim()
+
+    def trim(self) -> None:
+        """Give the pages of free slots back to the kernel (retired rings only)."""
+        if _REMOVE is None:
+            return
+        w = self._words
+        for i in range(self.n_slots):
+            if i not in self._trimmed and w[_STATES + i] == 0:
+                self.segment.mm.madvise(_REMOVE, CTRL + i * self.slot_size, self.slot_size)
+                self._trimmed.add(i)
+
+    def done(self) -> bool:
+        """Retired, every reference received and every slot free: safe to unmap."""
+        w = self._words
+        return (self.retired and w[_RECEIVED] >= self.sent
+                and all(w[_STATES + i] == 0 for i in range(self.n_slots)))
+
     def close(self) -> None:
-        self._states.release()
+        self._words.release()
         self.segment.close()
 
 
 class _MappedRing:
-    """Receiver side: one mapping of a worker's ring; freed when retired and no lease is left."""
+    """Receiver side: one mapping of a worker's ring."""
 
-    def __init__(self, segment: ShmSegment, slot_size: int, owner_pid: int) -> None:
+    __slots__ = ("uid", "mm", "slot_size", "owner_pid", "words", "leases", "__weakref__")
+
+    def __init__(self, uid: str, segment: ShmSegment, slot_size: int, owner_pid: int) -> None:
+        if bytes(segment.mm[:16]) != bytes.fromhex(uid):
+            raise ShmTransportError(
+                f"the shared memory received for ring {uid} of process {owner_pid} is another ring "
+                f"({bytes(segment.mm[:16]).hex()}); this is a bug in torch_storage_loader, please report it",
+                ring=uid)
+        self.uid = uid
         self.mm = segment.mm
         self.slot_size = slot_size
         self.owner_pid = owner_pid
-        self.states = memoryview(self.mm)[:CTRL].cast("q")
+        self.words = memoryview(self.mm)[:CTRL].cast("q")
+        self.leases = 0
 
-    def release(self, slot: int, generation: int) -> None:
-        if self.states[slot] == generation:
-            self.states[slot] = 0
+    def finished(self) -> bool:
+        w = self.words
+        return self.leases == 0 and w[_RETIRED] == 1 and w[_RECEIVED] >= w[_SENT]
 
 
-_rings: dict[str, _MappedRing] = {}
-_rings_lock = threading.Lock()
+class _Registry:
+    """The rings mapped in this process, by uid, and a thread that forgets those of exited workers."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.RLock()  # lease finalizers may run inside a locked section (GC)
+        self.rings: dict[str, _MappedRing] = {}
+        self.watched: dict[int, int] = {}  # owner pid -> pidfd
+        self.wake: tuple[int, int] | None = None
+        self.reaper: threading.Thread | None = None
+
+    def forget(self, ring: _MappedRing) -> None:
+        if self.rings.get(ring.uid) is ring:
+            del self.rings[ring.uid]  # the mapping goes with the last lease (views keep it alive)
+
+    def forget_owner(self, pid: int) -> None:
+        for ring in [r for r in self.rings.values() if r.owner_pid == pid]:
+            self.forget(ring)
+
+    def watch(self, pid: int) -> None:
+        """Forget ``pid``'s rings once it exits (called with the lock held)."""
+        if pid in self.watched:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.forget_owner(pid)
+            return
+        except (AttributeError, OSError):
+            return  # no pidfd here: rings are forgotten when retired, or when the worker's loader stops
+        self.watched[pid] = pidfd
+        if self.reaper is None:
+            self.wake = os.pipe()
+            self.reaper = threading.Thread(target=self._reap, args=(self.wake,), name="tsl-ring-reaper",
+                                           daemon=True)
+            self.reaper.start()
+        else:
+            os.write(self.wake[1], b"\0")
+
+    def _reap(self, wake: tuple[int, int]) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(wake[0], selectors.EVENT_READ, None)
+            registered: dict[int, int] = {}
+            while True:
+                with self.lock:
+                    for pid, fd in self.watched.items():
+                        if pid not in registered:
+                            sel.register(fd, selectors.EVENT_READ, pid)
+                            registered[pid] = fd
+                    if not self.watched:
+                        self.reaper = self.wake = None
+                        break
+                for key, _ in sel.select():
+                    if key.data is None:
+                        os.read(wake[0], 4096)
+                        continue
+                    pid = key.data
+                    sel.unregister(key.fd)
+                    with self.lock:
+                        del registered[pid]
+                        os.close(self.watched.pop(pid))
+                        self.forget_owner(pid)
+        for fd in wake:
+            os.close(fd)
+
+
+_registry = _Registry()
+
+
+def _after_fork_in_child() -> None:
+    # Rings the parent mapped stay mapped where the child's inherited views need them, but the
+    # child never receives references for them, and its releases are ignored (see _release).
+    global _registry
+    _registry = _Registry()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:
+    """Forget mapped rings (of one worker, or all); leased slots keep their memory until dropped."""
+    reg = _registry
+    with reg.lock:
+        for ring in list(reg.rings.values()):
+            if owner_pid is not None and ring.owner_pid != owner_pid:
+                continue
+            if dead_only and _pid_alive(ring.owner_pid):
+                continue
+            reg.forget(ring)
+
+
+def mapped_ring_count() -> int:
+    with _registry.lock:
+        return len(_registry.rings)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,25 +261,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:
-    """Forget mapped rings (of one worker, or all); leased slots keep their memory until dropped."""
-    with _rings_lock:
-        for uid, ring in list(_rings.items()):
-            if owner_pid is not None and ring.owner_pid != owner_pid:
-                continue
-            if dead_only and _pid_alive(ring.owner_pid):
-                continue
-            del _rings[uid]
-
-
-def mapped_ring_count() -> int:
-    with _rings_lock:
-        return len(_rings)
+def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
+    """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views."""
+    if os.getpid() != pid:
+        return
+    reg = _registry
+    with reg.lock:
+        w = ring.words
+        if w[_STATES + slot] == generation:
+            w[_STATES + slot] = 0
+        ring.leases -= 1
+        if ring.finished():
+            reg.forget(ring)
 
 
 @dataclass
 class SlotRef:
-    """Stands for a filled slot; unpickles (in the receiver) into the sample itself."""
+    """Stands for a filled slot; unpickles (in the receiver) into the sample itself.
+
+    ``copy``: the worker is short of free slots (the consumer keeps what it gets), so the
+    receiver copies the sample into private memory and frees the slot at once.
+    """
 
     ring_uid: str
     slot: int
@@ -137,37 +291,51 @@ class SlotRef:
     path: str
     opts: ReadOptions
     segment: ShmSegment | None = None
-    retired: tuple[str, ...] = ()
+    copy: bool = False
+    watch: bool = False
 
     def __reduce__(self):
         return _receive_slot, (self.ring_uid, self.slot, self.generation, self.slot_size, self.header,
-                               self.path, self.opts, self.segment, self.retired, os.getpid())
+                               self.path, self.opts, self.segment, os.getpid(), self.copy, self.watch)
 
 
-def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, segment, retired, pid):
+def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, segment, pid, copy=False,
+                  watch=False):
     from ._tree import build
 
-    if segment is not None:
-        retire_rings(dead_only=True)  # rings of workers that are gone (earlier epochs, restarts)
-    with _rings_lock:
-        for uid in retired:
-            _rings.pop(uid, None)
-        if segment is not None:
-            _rings[ring_uid] = _MappedRing(segment, slot_size, pid)
-        ring = _rings.get(ring_uid)
-    if ring is None:
-        raise RuntimeError(f"shared-memory ring {ring_uid} of worker {pid} is not mapped in this process; "
-                           "a reference was delivered to a process other than the loader's")
-    # The lease anchor must be the buffer *exporter*: consumers (numpy, torch) keep a reference to
-    # the exporter, while intermediate memoryviews may be dropped early.
-    anchor = (ctypes.c_ubyte * header.data_size).from_buffer(ring.mm, CTRL + slot * ring.slot_size)
-    weakref.finalize(anchor, ring.release, slot, generation)
-    return build(header, anchor, opts, path=path)
+    reg = _registry
+    with reg.lock:
+        ring = reg.rings.get(ring_uid)
+        if ring is None:
+            if segment is None:
+                raise ShmTransportError(
+                    f"shared-memory ring {ring_uid} of process {pid} is not mapped in this process (its "
+                    "worker exited, or the reference was sent to another process than the loader's)",
+                    ring=ring_uid, pid=pid)
+            ring = reg.rings[ring_uid] = _MappedRing(ring_uid, segment, slot_size, pid)
+            if watch:
+                reg.watch(pid)
+        ring.words[_RECEIVED] += 1
+        start = CTRL + slot * ring.slot_size
+        if copy:
+            buf = np.empty(header.data_size, np.uint8)
+            buf[:] = np.frombuffer(ring.mm, np.uint8, header.data_size, start)
+            if ring.words[_STATES + slot] == generation:
+                ring.words[_STATES + slot] = 0
+            if ring.finished():
+                reg.forget(ring)
+        else:
+            # The lease anchor must be the buffer *exporter*: consumers (numpy, torch) keep a
+            # reference to the exporter, while intermediate memoryviews may be dropped early.
+            buf = (ctypes.c_ubyte * header.data_size).from_buffer(ring.mm, start)
+            ring.leases += 1
+            weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
+    return build(header, buf, opts, path=path)
 
 
 @dataclass
 class BytesRef:
-    """The slow path: the data section travels through the pipe (no free slot, or no ring)."""
+    """The data section travels through the pipe (empty samples)."""
 
     header: Header
     data: bytearray
@@ -186,23 +354,30 @@ def _receive_bytes(header: Header, data: bytearray, path: str, opts: ReadOptions
 
 @dataclass
 class OneOffRef:
-    """The fallback when every slot is leased: a segment of its own, owned by the receiver.
+    """A segment of its own: an outlier far above the slot size, or no slot free at all.
 
-    Slower than a slot (fresh pages fault in), but no array bytes cross a pipe, and the memory
-    is freed when the receiver drops the last view.
+    With ``copy`` the receiver copies the sample into private memory and unmaps the segment at
+    once, so keeping many such samples costs no mapping each; without, the sample's views keep
+    the segment (one mapping) alive until dropped.
     """
 
     header: Header
     segment: ShmSegment
     path: str
     opts: ReadOptions
+    copy: bool = False
 
     def __reduce__(self):
-        return _receive_oneoff, (self.header, self.segment, self.path, self.opts)
+        return _receive_oneoff, (self.header, self.segment, self.path, self.opts, self.copy)
 
 
-def _receive_oneoff(header: Header, segment: ShmSegment, path: str, opts: ReadOptions) -> Any:
+def _receive_oneoff(header: Header, segment: ShmSegment, path: str, opts: ReadOptions, copy: bool = False) -> Any:
     from ._tree import build
 
-    anchor = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)
-    return build(header, anchor, opts, path=path)
+    if copy:
+        buf = np.empty(header.data_size, np.uint8)
+        buf[:] = np.frombuffer(segment.mm, np.uint8, header.data_size)
+        segment.close()
+    else:
+        buf = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)
+    return build(header, buf, opts, path=path)

@@ -1,4 +1,4 @@
-"""What a loader worker does: turn a Storage handle into a filled slot (or, failing that, bytes).
+"""What a loader worker does: turn Storage handles into filled leases (see ``_alloc``).
 
 Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader workers.
 """
@@ -6,95 +6,35 @@ Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader work
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _format
+from ._alloc import FillInfo, Lease, PrivateAllocator, SlotAllocator
 from ._format import ALIGN, Header, ReadOptions
 from ._batch import file_iovecs, plan
-from ._shm import ShmSegment
-from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing
+from ._slots import CTRL, OneOffRef, SlotRef
 from .storage import FileStorage, Storage
 
 __all__ = ["FillInfo", "LocalFiller", "SlotFiller"]
 
-GROWTH = 1.25
-
-
-@dataclass(frozen=True)
-class FillInfo:
-    """What the worker did, for stats: ``via`` is "slot" or "fallback"."""
-
-    via: str
-    nbytes: int
-    regrew: bool = False
-
 
 class SlotFiller:
-    """A worker's rings of slots, sized from a hint (the first sample).
-
-    When every slot is leased (the consumer keeps what it got), another ring of the same size is
-    added, up to ``max_rings``; past that, a sample gets a segment of its own (a fallback). A
-    sample larger than a slot replaces the rings by one with larger slots.
+    """Reads samples (or stacks batches) into a worker's shared-memory slots.
 
     ``fill`` / ``fill_batch`` return ``(FillInfo, payload)``: the payload is a small picklable
     reference that unpickles, in the receiving process, into the sample backed by shared memory.
+    ``budget`` bounds this worker's shared memory (default: half of the shm filesystem);
+    ``watch``: receivers forget this process's rings when it exits (DataLoader workers).
     """
 
     def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False,
-                 max_rings: int = 8, budget: int | None = None) -> None:
-        self.n_slots = n_slots
-        self.budget = budget
+                 max_rings: int = 8, budget: int | None = None, watch: bool = False) -> None:
         self.as_tensors = as_tensors
-        self.hint = slot_size_hint
-        self.max_rings = max_rings
-        self.rings: list[SlotRing] = []
-        self._retired: list[str] = []
+        self.alloc: SlotAllocator | PrivateAllocator = SlotAllocator(
+            n_slots, slot_size_hint, max_rings=max_rings, budget=budget, watch=watch)
         self._scratch = memoryview(bytearray(ALIGN))
-
-    # ----------------------------------------------------------------------- where bytes go
-    def _acquire(self, nbytes: int) -> tuple[SlotRing | None, tuple[int, int] | None, bool]:
-        grew = False
-        if not self.rings or nbytes > self.rings[0].slot_size:
-            regrow = bool(self.rings)
-            for ring in self.rings:
-                self._retired.append(ring.uid)
-                ring.close()
-            size = int(nbytes * GROWTH) if regrow else max(nbytes, self.hint)
-            self.rings = [SlotRing(self.n_slots, size)]
-            grew = regrow
-        for ring in self.rings:
-            slot = ring.acquire()
-            if slot is not None:
-                return ring, slot, grew
-        if len(self.rings) < self.max_rings:
-            self.rings.append(SlotRing(self.n_slots, self.rings[0].slot_size))
-            return self.rings[-1], self.rings[-1].acquire(), True
-        return None, None, grew
-
-    def _target(self, nbytes: int, path: str, opts: ReadOptions) -> tuple[memoryview, Callable, FillInfo, Callable]:
-        """A writable view of ``nbytes``, a function turning its header into the payload, stats,
-        and a function that gives the target back if filling it fails."""
-        if not nbytes:
-            return (memoryview(bytearray()), lambda h: BytesRef(h, bytearray(), path, opts), FillInfo("slot", 0),
-                    _nothing)
-        ring, slot, grew = self._acquire(nbytes)
-        if ring is None:
-            segment = ShmSegment(nbytes, purpose="a fallback segment (every slot is still leased)")
-            return (memoryview(segment.mm)[:nbytes], lambda h: OneOffRef(h, segment, path, opts),
-                    FillInfo("fallback", nbytes, grew), segment.close)
-
-        def payload(header: Header) -> SlotRef:
-            ref = SlotRef(ring.uid, slot[0], slot[1], ring.slot_size, header, path, opts,
-                          segment=None if ring.sent else ring.segment, retired=tuple(self._retired))
-            ring.sent = True
-            self._retired.clear()
-            return ref
-
-        return ring.view(slot[0], nbytes), payload, FillInfo("slot", nbytes, grew), lambda: ring.unacquire(slot[0])
 
     # ------------------------------------------------------------------------- single samples
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
@@ -108,12 +48,11 @@ class SlotFiller:
         fd = _format.open_storage(path)
         try:
             header = _format.read_header(fd, path)
-            view, payload, info, abandon = self._target(header.data_size, path, opts)
-            _read(fd, [view], header.data_offset, path, abandon)
-            del view
+            lease = self.alloc.lease(header.data_size, path, opts)
+            _read(fd, [lease.view], header.data_offset, path, lease)
         finally:
             os.close(fd)
-        return info, payload(header)
+        return lease.info, lease.commit(header)
 
     def fill_object(self, obj: Any, *, opts: ReadOptions, path: str) -> tuple[FillInfo, Any]:
         """Copy an in-memory sample into a slot (Storage types that are not files, collated batches)."""
@@ -122,11 +61,10 @@ class SlotFiller:
         spec, leaves = encode(obj, allow_pickle=opts.allow_pickle)
         arrays, size = _format.layout(leaves)
         header = Header(spec, arrays, 0, size)
-        view, payload, info, _ = self._target(size, path, opts)
+        lease = self.alloc.lease(size, path, opts)
         for leaf, e in zip(leaves, arrays):
-            view[e.offset: e.offset + e.nbytes] = leaf.data
-        del view
-        return info, payload(header)
+            lease.view[e.offset: e.offset + e.nbytes] = leaf.data
+        return lease.info, lease.commit(header)
 
     # -------------------------------------------------------------------------------- batches
     def fill_batch(self, storages: list[Storage], collate_fn: Callable | None = None) -> tuple[FillInfo, Any]:
@@ -141,14 +79,13 @@ class SlotFiller:
                     fds.append(_format.open_storage(s.path))
                     headers.append(_format.read_header(fds[-1], s.path))
                 batch = plan(headers, names)
-                view, payload, info, abandon = self._target(batch.data_size, names[0], opts)
+                lease = self.alloc.lease(batch.data_size, names[0], opts)
                 for j, (fd, h, s) in enumerate(zip(fds, headers, storages)):
-                    _read(fd, file_iovecs(h, batch, j, view, self._scratch), h.data_offset, s.path, abandon)
-                del view
+                    _read(fd, file_iovecs(h, batch, j, lease.view, self._scratch), h.data_offset, s.path, lease)
             finally:
                 for fd in fds:
                     os.close(fd)
-            return info, payload(batch)
+            return lease.info, lease.commit(batch)
         from ._tree import to_tensors
 
         samples = [s.load() for s in storages]
@@ -165,13 +102,12 @@ class SlotFiller:
             arrays, size = _format.layout(leaves)
             headers.append(Header(spec, arrays, 0, size))
         batch = plan(headers, names)
-        view, payload, info, _ = self._target(batch.data_size, names[0], opts)
+        lease = self.alloc.lease(batch.data_size, names[0], opts)
         for j, (_, leaves) in enumerate(encoded):
             for leaf, b in zip(leaves, batch.arrays):
                 start = b.offset + j * leaf.nbytes
-                view[start: start + leaf.nbytes] = leaf.data
-        del view
-        return info, payload(batch)
+                lease.view[start: start + leaf.nbytes] = leaf.data
+        return lease.info, lease.commit(batch)
 
     def materialize_here(self, payload: Any) -> Any:
         """Build ``payload`` in this process (the worker's), as if it had been sent and received.
@@ -182,15 +118,16 @@ class SlotFiller:
         from ._tree import build
 
         if isinstance(payload, SlotRef):
-            ring = next((r for r in self.rings if r.uid == payload.ring_uid), None)
+            ring = self.alloc.find(payload.ring_uid)
             if ring is None:
-                raise RuntimeError("the slot's ring was replaced before the sample was used")
+                raise RuntimeError(f"ring {payload.ring_uid} is not this worker's; materialize_here takes "
+                                   "payloads of this filler only")
             if payload.segment is not None:
-                ring.sent = False  # the receiver never saw it: send it with the next reference
-            self._retired.extend(payload.retired)
+                ring.segment_sent = False  # the receiver never saw it: send it with the next reference
+            ring.received_here()
             anchor = (ctypes.c_ubyte * payload.header.data_size).from_buffer(
                 ring.segment.mm, CTRL + payload.slot * ring.slot_size)
-            weakref.finalize(anchor, ring.release, payload.slot, payload.generation)
+            weakref.finalize(anchor, _release_here, ring, payload.slot, payload.generation, os.getpid())
             return build(payload.header, anchor, payload.opts, path=payload.path)
         if isinstance(payload, OneOffRef):
             anchor = (ctypes.c_ubyte * payload.header.data_size).from_buffer(payload.segment.mm)
@@ -199,27 +136,29 @@ class SlotFiller:
 
     @staticmethod
     def sent(payload: Any) -> None:
-        """Call once ``payload`` is pickled: a fallback segment is the receiver's from then on."""
+        """Call once ``payload`` is pickled: a segment of its own is the receiver's from then on."""
         if isinstance(payload, OneOffRef):
             payload.segment.close()
 
     def close(self) -> None:
-        for ring in self.rings:
-            ring.close()
-        self.rings = []
+        self.alloc.close()
 
 
-def _nothing() -> None:
-    pass
+def _release_here(ring, slot: int, generation: int, pid: int) -> None:
+    if os.getpid() == pid:
+        ring.release(slot, generation)
 
 
-def _read(fd: int, views: list, offset: int, path: str, abandon: Callable) -> None:
+def _read(fd: int, views: list, offset: int, path: str, lease: Lease) -> None:
     try:
         _format.preadv_into(fd, views, offset, path)
     except BaseException:
         views.clear()
-        abandon()  # the slot or segment is not delivered: give it back
+        lease.abort()  # the slot or segment is not delivered: give it back
         raise
+    finally:
+        for v in views:
+            v.release()
 
 
 def _is_plain_file(storage: Storage) -> bool:
@@ -229,8 +168,7 @@ def _is_plain_file(storage: Storage) -> bool:
 class LocalFiller(SlotFiller):
     """The same work in the consuming process itself (``num_workers=0``): private buffers, no slots."""
 
-    def _target(self, nbytes: int, path: str, opts: ReadOptions) -> tuple[memoryview, Callable, FillInfo, Callable]:
-        from ._tree import build
-
-        buf = mmap.mmap(-1, nbytes) if nbytes else bytearray()
-        return memoryview(buf), lambda h: build(h, buf, opts, path=path), FillInfo("local", nbytes), _nothing
+    def __init__(self, n_slots: int = 1, slot_size_hint: int = 0, *, as_tensors: bool = False, **_: Any) -> None:
+        self.as_tensors = as_tensors
+        self.alloc = PrivateAllocator()
+        self._scratch = memoryview(bytearray(ALIGN))

@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
-from ._slots import retire_rings
+from ._shm import default_shm_budget
 
 __all__ = ["StorageDataset", "end_directory_stream"]
 
@@ -38,12 +38,13 @@ def _record(uid: str, info: FillInfo, skipped: int) -> None:
         c = _stats[uid]
         c["loads"] += 1
         c["bytes"] += info.nbytes
-        c[{"slot": "slot_loads", "fallback": "fallbacks"}.get(info.via, "local_loads")] += 1
+        c[{"slot": "slot_loads", "fallback": "fallbacks", "oversize": "oversize"}.get(info.via, "local_loads")] += 1
         c["regrows"] += info.regrew
+        c["copies"] += info.copied
         c["skipped"] += skipped
 
 
-_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "local_loads", "regrows", "skipped")
+_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "oversize", "copies", "local_loads", "regrows", "skipped")
 
 
 class _Delivery:
@@ -89,13 +90,15 @@ class StorageDataset(IterableDataset):
     ``batch_size``: stack that many samples straight into one slot (leaves gain a leading batch
     dimension); use it with ``DataLoader(..., batch_size=None)``. ``collate_fn`` combines samples
     whose shapes differ instead. ``on_error="skip"`` skips (and counts) samples that fail to load
-    instead of raising. Numeric numpy leaves come out as tensors (sharing memory, as DataLoader's
+    instead of raising. ``max_shm_bytes`` bounds the shared memory of this DataLoader's workers
+    (split evenly; default half the size of /dev/shm): a sample larger than one worker's share
+    raises ``SampleTooLargeError``. Numeric numpy leaves come out as tensors (sharing memory, as DataLoader's
     default conversion does); treetensor trees stay trees.
     """
 
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list], Any] | None = None, slots_per_worker: int = 4,
-                 max_rings_per_worker: int = 8, on_error: str = "raise") -> None:
+                 max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise") -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
@@ -105,6 +108,8 @@ class StorageDataset(IterableDataset):
             raise ValueError(f"{slots_per_worker=} must be >= 1")
         if max_rings_per_worker < 1:
             raise ValueError(f"{max_rings_per_worker=} must be >= 1")
+        if max_shm_bytes is not None and max_shm_bytes < 1:
+            raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the size of /dev/shm")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
         self.source = as_source(source)
@@ -113,6 +118,7 @@ class StorageDataset(IterableDataset):
         self.collate_fn = collate_fn
         self.slots_per_worker = slots_per_worker
         self.max_rings_per_worker = max_rings_per_worker
+        self.max_shm_bytes = max_shm_bytes
         self.on_error = on_error
         self._uid = uuid.uuid4().hex
         self._dist: tuple[int, int] | None = None
@@ -160,9 +166,7 @@ class StorageDataset(IterableDataset):
         self._yielded = skip
         per_item = self.batch_size or 1
         handles = self.source.iterate(rank * nw + wid, world * nw, skip * per_item)
-        filler = self._filler_for(in_worker=worker is not None)
-        if worker is None:
-            retire_rings(dead_only=True)  # rings of DataLoader workers from earlier epochs
+        filler = self._filler_for(nw if worker is not None else 0)
         group: list = []
         try:
             for storage in handles:
@@ -183,10 +187,14 @@ class StorageDataset(IterableDataset):
         self._epoch += 1
         self._yielded = 0
 
-    def _filler_for(self, in_worker: bool) -> SlotFiller:
+    def _filler_for(self, num_workers: int) -> SlotFiller:
         if self._filler is None or self._filler_pid != os.getpid():
-            cls = SlotFiller if in_worker else LocalFiller
-            self._filler = cls(self.slots_per_worker, as_tensors=True, max_rings=self.max_rings_per_worker)
+            if num_workers:
+                budget = (self.max_shm_bytes or default_shm_budget()) // num_workers
+                self._filler = SlotFiller(self.slots_per_worker, as_tensors=True, max_rings=self.max_rings_per_worker,
+                                          budget=budget, watch=True)
+            else:
+                self._filler = LocalFiller(as_tensors=True)
             self._filler_pid = os.getpid()
         return self._filler
 

@@ -10,8 +10,9 @@ __all__ = [
     "LoadCancelledError",
     "PickleNotAllowedError",
     "RemoteTraceback",
-    "SampleTooLargeError",
     "SampleMismatchError",
+    "SampleTooLargeError",
+    "ShmTransportError",
     "StorageCorruptError",
     "StorageError",
     "StorageNotFoundError",
@@ -69,6 +70,10 @@ class InsufficientSharedMemoryError(StorageError, MemoryError):
 
 class SampleTooLargeError(StorageError, MemoryError):
     """A sample's data section is larger than the shared-memory budget of one worker."""
+
+
+class ShmTransportError(StorageError, RuntimeError):
+    """A reference to shared memory could not be mapped (its worker exited before it was received)."""
 
 
 class RemoteTraceback(Exception):

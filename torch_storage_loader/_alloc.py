@@ -1,0 +1,237 @@
+"""Where a worker puts a sample's bytes: a slot of its rings, sized and bounded by a policy.
+
+- Rings are sized from the first sample (or a hint). A sample larger than the slots gets new
+  rings with slots at least ``GROWTH`` times larger (so growing episodes regrow a logarithmic
+  number of times); the old rings are retired, never closed under a reference still on its way.
+- A sample more than ``OUTLIER`` times above every recent sample travels in a segment of its own
+  instead of resizing every ring for good.
+- Rings whose slots are ``SHRINK`` times larger than every one of the last ``WINDOW`` samples
+  are retired and rebuilt smaller: idle oversized memory is given back.
+- While every slot is held, rings are added (up to ``max_rings``, within the budget). Past that,
+  references ask the receiver to copy the sample into private memory and free the slot at once
+  (``copy``), so a consumer that keeps everything costs private memory, not a mapping per sample.
+- ``budget`` bounds the shared memory of all rings; a sample above it is refused before anything
+  is allocated.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+from ._format import Header, ReadOptions
+from ._shm import ShmSegment, _human, default_shm_budget
+from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing, page_round
+from .errors import SampleTooLargeError
+
+__all__ = ["FillInfo", "Lease", "PrivateAllocator", "SlotAllocator"]
+
+GROWTH = 2
+OUTLIER = 4
+SHRINK = 4
+WINDOW = 64
+
+
+@dataclass(frozen=True)
+class FillInfo:
+    """What the worker did, for stats.
+
+    ``via``: "slot", "fallback" (no slot free: a segment of its own), "oversize" (an outlier in a
+    segment of its own) or "local" (private memory, no worker). ``copied``: the receiver copies
+    the sample out of shared memory (the consumer keeps every slot).
+    """
+
+    via: str
+    nbytes: int
+    regrew: bool = False
+    copied: bool = False
+
+
+class Lease:
+    """A writable place for one sample: fill ``view``, then ``commit(header)`` for the payload to
+    send (a small reference that unpickles into the sample), or ``abort()`` to give it back."""
+
+    def __init__(self, view: memoryview, info: FillInfo, path: str, opts: ReadOptions) -> None:
+        self.view, self.info, self.path, self.opts = view, info, path, opts
+
+    def commit(self, header: Header) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        self.view.release()
+
+
+class _EmptyLease(Lease):
+    def commit(self, header: Header) -> BytesRef:
+        return BytesRef(header, bytearray(), self.path, self.opts)
+
+
+class _SlotLease(Lease):
+    def __init__(self, ring: SlotRing, slot: tuple[int, int], nbytes: int, info: FillInfo, path: str,
+                 opts: ReadOptions, watch: bool) -> None:
+        super().__init__(ring.view(slot[0], nbytes), info, path, opts)
+        self.ring, self.slot, self.watch = ring, slot, watch
+
+    def commit(self, header: Header) -> SlotRef:
+        self.view.release()
+        ring = self.ring
+        ref = SlotRef(ring.uid, self.slot[0], self.slot[1], ring.slot_size, header, self.path, self.opts,
+                      segment=None if ring.segment_sent else ring.segment, copy=self.info.copied, watch=self.watch)
+        ring.segment_sent = True
+        ring.sent += 1
+        return ref
+
+    def abort(self) -> None:
+        self.view.release()
+        self.ring.unacquire(self.slot[0])
+
+
+class _SegmentLease(Lease):
+    def __init__(self, segment: ShmSegment, nbytes: int, info: FillInfo, path: str, opts: ReadOptions) -> None:
+        super().__init__(memoryview(segment.mm)[:nbytes], info, path, opts)
+        self.segment = segment
+
+    def commit(self, header: Header) -> OneOffRef:
+        self.view.release()
+        return OneOffRef(header, self.segment, self.path, self.opts, copy=self.info.copied)
+
+    def abort(self) -> None:
+        self.view.release()
+        self.segment.close()
+
+
+class SlotAllocator:
+    """A worker's rings of ``n_slots`` slots, and the policy above."""
+
+    def __init__(self, n_slots: int, slot_size_hint: int = 0, *, max_rings: int = 8, budget: int | None = None,
+                 watch: bool = False) -> None:
+        self.n_slots = n_slots
+        self.hint = slot_size_hint
+        self.max_rings = max_rings
+        self.budget = default_shm_budget() if budget is None else budget
+        self.watch = watch  # receivers forget our rings when this process exits (nobody else tells them)
+        self.slot_size = 0
+        self.rings: list[SlotRing] = []
+        self.retired: list[SlotRing] = []
+        self._recent: collections.deque[int] = collections.deque(maxlen=WINDOW)
+
+    def held(self) -> int:
+        """Shared memory held by rings, live and retired."""
+        return sum(r.nbytes for r in self.rings) + sum(r.nbytes for r in self.retired)
+
+    def lease(self, nbytes: int, path: str, opts: ReadOptions) -> Lease:
+        if not nbytes:
+            return _EmptyLease(memoryview(bytearray()), FillInfo("slot", 0), path, opts)
+        if nbytes > self.budget:
+            raise SampleTooLargeError(
+                f"{path}: the sample needs {_human(nbytes)} of shared memory, more than one worker's share "
+                f"of the budget ({_human(self.budget)}: max_shm_bytes divided by the number of workers); "
+                "raise max_shm_bytes (and the size of /dev/shm) if the sample is genuine",
+                path=path, needed=nbytes, budget=self.budget)
+        self._tidy()
+        typical = max(self._recent, default=0)
+        self._recent.append(nbytes)
+        regrew = False
+        if self.rings and nbytes > self.slot_size:
+            if nbytes > OUTLIER * max(self.slot_size, typical):
+                return self._one_off(nbytes, path, opts, "oversize")
+            self._retire_rings()
+            self.slot_size = page_round(max(nbytes, GROWTH * self.slot_size))
+            regrew = True
+        elif (self.rings and len(self._recent) == WINDOW
+              and self.slot_size > SHRINK * page_round(max(self._recent))):
+            self._retire_rings()
+            self.slot_size = page_round(max(self._recent))
+            regrew = True
+        if not self.rings:
+            self.slot_size = self.slot_size or page_round(max(nbytes, self.hint))
+        for ring in self.rings:
+            slot = ring.acquire()
+            if slot is not None:
+                break
+        else:
+            ring = self._add_ring()
+            slot = ring.acquire() if ring is not None else None
+            regrew = regrew or (ring is not None and len(self.rings) > 1)
+        if slot is None:
+            return self._one_off(nbytes, path, opts, "fallback", copy=True, regrew=regrew)
+        copy = self._short_of_slots()
+        return _SlotLease(ring, slot, nbytes, FillInfo("slot", nbytes, regrew, copy), path, opts, self.watch)
+
+    def find(self, uid: str) -> SlotRing | None:
+        return next((r for r in self.rings + self.retired if r.uid == uid), None)
+
+    def close(self) -> None:
+        for ring in self.rings + self.retired:
+            ring.close()
+        self.rings, self.retired = [], []
+
+    # -------------------------------------------------------------------------------- internals
+    def _one_off(self, nbytes: int, path: str, opts: ReadOptions, via: str, *, copy: bool = False,
+                 regrew: bool = False) -> Lease:
+        purpose = ("a sample far larger than the slots" if via == "oversize"
+                   else "a fallback segment (every slot is still leased)")
+        segment = ShmSegment(nbytes, purpose=purpose)
+        return _SegmentLease(segment, nbytes, FillInfo(via, nbytes, regrew, copy), path, opts)
+
+    def _ring_fits(self) -> int:
+        """How many slots a new ring may have within the budget (0: none)."""
+        room = self.budget - self.held() - CTRL
+        return max(0, min(self.n_slots, room // self.slot_size))
+
+    def _add_ring(self) -> SlotRing | None:
+        if len(self.rings) >= self.max_rings:
+            return None
+        n = self._ring_fits()
+        if not n:
+            return None
+        self.rings.append(SlotRing(n, self.slot_size))
+        return self.rings[-1]
+
+    def _short_of_slots(self) -> bool:
+        """No ring can be added and fewer than a ring's worth of slots are free."""
+        if len(self.rings) < self.max_rings and self._ring_fits():
+            return False
+        return sum(r.free_slots() for r in self.rings) < self.n_slots
+
+    def _retire_rings(self) -> None:
+        for ring in self.rings:
+            ring.retire()
+        self.retired += self.rings
+        self.rings = []
+
+    def _tidy(self) -> None:
+        for ring in list(self.retired):
+            if ring.done():
+                self.retired.remove(ring)
+                ring.close()
+            else:
+                ring.trim()
+
+
+class _PrivateLease(Lease):
+    def __init__(self, nbytes: int, path: str, opts: ReadOptions) -> None:
+        self.buf = mmap.mmap(-1, nbytes) if nbytes else bytearray()
+        super().__init__(memoryview(self.buf), FillInfo("local", nbytes), path, opts)
+
+    def commit(self, header: Header) -> Any:
+        from ._tree import build
+
+        self.view.release()
+        return build(header, self.buf, self.opts, path=self.path)
+
+
+class PrivateAllocator:
+    """For the consuming process itself (``num_workers=0``): private buffers, no slots."""
+
+    def lease(self, nbytes: int, path: str, opts: ReadOptions) -> Lease:
+        return _PrivateLease(nbytes, path, opts)
+
+    def find(self, uid: str) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+

@@ -21,6 +21,7 @@ _EXPORTS = {
     "PickleNotAllowedError": "errors",
     "ProducerDiedError": "queue",
     "SampleMismatchError": "errors",
+    "SampleTooLargeError": "errors",
     "Storage": "storage",
     "StorageCorruptError": "errors",
     "StorageDataset": "dataset",
@@ -51,7 +52,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .errors import (InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
-                         SampleMismatchError, StorageCorruptError, StorageError, StorageNotFoundError,
+                         SampleMismatchError, SampleTooLargeError, StorageCorruptError, StorageError, StorageNotFoundError,
                          UnsupportedLeafError, WorkerDiedError)
     from ._sources import DirectorySource, end_directory_stream
     from .dataset import StorageDataset

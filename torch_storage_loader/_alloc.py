@@ -8,8 +8,8 @@
 - Rings whose slots are ``SHRINK`` times larger than every one of the last ``WINDOW`` samples
   are retired and rebuilt smaller: idle oversized memory is given back.
 - While every slot is held, rings are added (up to ``max_rings``, within the budget). Past that,
-  references ask the receiver to copy the sample into private memory and free the slot at once
-  (``copy``), so a consumer that keeps everything costs private memory, not a mapping per sample.
+  the reference that takes the last free slot asks the receiver to copy the sample into private
+  memory and free the slot at once (``copy``), so a consumer that keeps everything costs private memory, not a mapping per sample.
 - ``budget`` bounds the shared memory of all rings; a sample above it is refused before anything
   is allocated.
 """
@@ -191,10 +191,10 @@ class SlotAllocator:
         return self.rings[-1]
 
     def _short_of_slots(self) -> bool:
-        """No ring can be added and fewer than a ring's worth of slots are free."""
+        """No ring can be added and the slot just taken was the last free one."""
         if len(self.rings) < self.max_rings and self._ring_fits():
             return False
-        return sum(r.free_slots() for r in self.rings) < self.n_slots
+        return not any(r.free_slots() for r in self.rings)
 
     def _retire_rings(self) -> None:
         for ring in self.rings:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 
@@ -13,47 +15,61 @@ import numpy as np
 import pytest
 import torch
 
+LEAK_WAIT_S = 10.0  # DataLoader workers exit, reaper threads unmap, finalizers run: all asynchronously
 
-def _our_shm() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("tsl-")}
-    except FileNotFoundError:
-        return set()
+# Our segments: ``tempfile.mkstemp(prefix="tsl-")`` in the shm directory, unlinked at once (see
+# ``_shm._create_fd``), so a mapping or descriptor of one reads ".../tsl-XXXXXXXX (deleted)". Any
+# directory counts: tests point $TORCH_STORAGE_LOADER_SHM_DIR elsewhere, and have undone that by the
+# time this fixture looks.
+_SEGMENT = re.compile(r"/tsl-[a-z0-9_]{8} \(deleted\)$")
 
 
-def _children() -> set[int]:
-    me = str(os.getpid())
-    kids = set()
+def _our_mappings() -> set[str]:
+    """Lines of /proc/self/maps that map one of our segments (the address range tells them apart)."""
+    with open("/proc/self/maps") as f:
+        return {line.rstrip("\n") for line in f if _SEGMENT.search(line.rstrip("\n"))}
+
+
+def _our_fds() -> set[str]:
+    """'fd -> target' for each open descriptor of one of our segments."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (or the descriptor of the listing itself)
+        if _SEGMENT.search(target):
+            out.add(f"{fd} -> {target}")
+    return out
+
+
+def _children() -> set[str]:
+    """'pid (command line)' for each live (not zombie) descendant, less the stdlib's long-lived helpers.
+
+    Descendants, not just children: workers started through the forkserver are its children.
+    """
+    helpers = _helpers()
+    parent, state, cmd = {}, {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if fields[1] == me and fields[0] != "Z":
-            kids.add(int(pid))
+        parent[int(pid)], state[int(pid)] = int(fields[1]), fields[0]
+    kids, todo = set(), [os.getpid()]
+    while todo:
+        p = todo.pop()
+        for pid, ppid in parent.items():
+            if ppid == p:
+                todo.append(pid)
+                if pid not in helpers and state[pid] != "Z":
+                    kids.add(f"{pid} ({cmd[pid][:200]})")
     return kids
-
-
-def _our_threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("tsl-")}
-
-
-@pytest.fixture(autouse=True)
-def no_leaks():
-    shm_before, kids_before = _our_shm(), _children()
-    yield
-    gc.collect()  # a DataLoader iterator caught in an exception's traceback stops its workers on collection
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        mp.active_children()  # reaps finished children
-        leaked = (_our_shm() - shm_before, _children() - kids_before - _helpers(), _our_threads())
-        if not any(leaked):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"leaked (shm, child pids, threads): {leaked}")
 
 
 def _helpers() -> set[int]:
@@ -66,6 +82,90 @@ def _helpers() -> set[int]:
         if pid:
             pids.add(pid)
     return pids
+
+
+def _our_threads() -> set[str]:
+    return {f"{t.name} (ident {t.ident})" for t in threading.enumerate() if t.name.startswith("tsl-")}
+
+
+_KINDS = {
+    "shared-memory mappings (/proc/self/maps)": _our_mappings,
+    "shared-memory descriptors (/proc/self/fd)": _our_fds,
+    "child processes": _children,
+    "tsl-* threads": _our_threads,
+}
+
+# What a test was already blamed for (or left after failing anyway): not blamed again on the tests after
+# it. Nothing else is excused, so anything of ours present when a test starts that nobody was blamed
+# for (created at import or collection, or between tests) is reported by that test: the goal is
+# zero after every test, not "no more than before".
+_excused: dict[str, set[str]] = {kind: set() for kind in _KINDS}
+
+
+def _snapshot() -> dict[str, set[str]]:
+    return {kind: probe() for kind, probe in _KINDS.items()}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item._tsl_call_failed = outcome.get_result().failed
+
+
+def _drop_captured_tracebacks(item) -> None:
+    """Let go of the tracebacks in log records pytest keeps for this test's report (caplog).
+
+    A logged exception's traceback holds its frames, and so whatever they held (a sample, its
+    slot's mapping) for as long as pytest keeps the record, i.e. past this fixture. Its text is
+    already in the report; only pytest's own reference goes.
+    """
+    try:
+        from _pytest.logging import caplog_records_key
+    except ImportError:  # a pytest that keeps them elsewhere: a leak reported here may be pytest's
+        return
+    for records in item.stash.get(caplog_records_key, {}).values():
+        for record in records:
+            if record.exc_info:
+                if not record.exc_text:
+                    record.exc_text = logging.Formatter().formatException(record.exc_info)
+                record.exc_info = None
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    before = _snapshot()
+    for kind, items in before.items():
+        _excused[kind] &= items  # forget what went away
+    stale = {kind: items - _excused[kind] for kind, items in before.items()}
+    yield
+    _drop_captured_tracebacks(request.node)
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while True:
+        gc.collect()  # e.g. a DataLoader iterator caught in an exception's traceback stops its workers on collection
+        mp.active_children()  # reaps finished children
+        now = _snapshot()
+        leaked = {kind: items - _excused[kind] for kind, items in now.items()}
+        if not any(leaked.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not any(leaked.values()):
+        return
+    for kind, items in leaked.items():
+        _excused[kind] |= items
+    lines = []
+    for kind, items in leaked.items():
+        if items:
+            lines.append(f"{kind}:")
+            lines += [f"    {x}" + ("   [already there when the test started]" if x in stale[kind] else "")
+                      for x in sorted(items)]
+    report = (f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
+              + "\n".join(lines))
+    if getattr(request.node, "_tsl_call_failed", False):
+        # The test's traceback may hold the samples; its failure is what to look at first.
+        request.node.add_report_section("teardown", "leaks (the test failed already)", report)
+    else:
+        pytest.fail(report, pytrace=False)
 
 
 def assert_same(a, b, path="<root>"):

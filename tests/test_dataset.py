@@ -69,11 +69,24 @@ def test_start_methods_epochs_and_persistent_workers(handles, method):
     assert ds.stats()["fallbacks"] == 0
 
 
-def test_in_order_false_and_pin_memory(handles):
-    dl = DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, in_order=False, pin_memory=True)
-    with pytest.warns(UserWarning, match="pin_memory"):
-        out = list(dl)
+def test_in_order_false(handles):
+    out = list(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, in_order=False))
     assert ids_of(out) == list(range(24))
+    for s in out:
+        check_sample(s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="pin_memory needs an accelerator: without one DataLoader only warns and never pins")
+def test_in_order_false_and_pin_memory(handles):
+    # Kept batches, then more loads while all are kept (as in test_kept_batches_never_change), pinned.
+    ds = StorageDataset(handles, slots_per_worker=2, max_rings_per_worker=2)
+    kept = list(DataLoader(ds, batch_size=None, num_workers=2, in_order=False, pin_memory=True))
+    again = list(DataLoader(ds, batch_size=None, num_workers=2, in_order=False, pin_memory=True))
+    assert ids_of(kept) == ids_of(again) == list(range(24))
+    for s in kept + again:
+        assert s["obs"].is_pinned() and s["action"].is_pinned() and s["reward"].is_pinned()
+        check_sample(s)
 
 
 def test_kept_batches_never_change(handles):

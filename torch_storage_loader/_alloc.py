@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._format import Header, ReadOptions
-from ._shm import ShmSegment, _human, default_shm_budget
+from ._shm import ENV_DIR, ShmSegment, _human, default_shm_budget, shm_dir
 from ._slots import CTRL, BytesRef, OneOffRef, SlotRef, SlotRing, page_round
 from .errors import SampleTooLargeError
 
@@ -125,11 +125,13 @@ class SlotAllocator:
         if not nbytes:
             return _EmptyLease(memoryview(bytearray()), FillInfo("slot", 0), path, opts)
         if nbytes > self.budget:
+            where = shm_dir()
             raise SampleTooLargeError(
                 f"{path}: the sample needs {_human(nbytes)} of shared memory, more than one worker's share "
-                f"of the budget ({_human(self.budget)}: max_shm_bytes divided by the number of workers); "
-                "raise max_shm_bytes (and the size of /dev/shm) if the sample is genuine",
-                path=path, needed=nbytes, budget=self.budget)
+                f"of max_shm_bytes ({_human(self.budget)}; the default is half the size of {where}). If the "
+                f"sample is genuine, raise max_shm_bytes, give {where} more room (docker run --shm-size=<size>) "
+                f"or point ${ENV_DIR} at a larger tmpfs; if not, the file's header is damaged",
+                path=path, needed=nbytes, budget=self.budget, directory=where)
         self._tidy()
         typical = max(self._recent, default=0)
         self._recent.append(nbytes)

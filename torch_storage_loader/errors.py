@@ -68,8 +68,8 @@ class InsufficientSharedMemoryError(StorageError, MemoryError):
     """Not enough shared memory for the slots; the message says how much is needed and how to fix it."""
 
 
-class SampleTooLargeError(StorageError, MemoryError):
-    """A sample's data section is larger than the shared-memory budget of one worker."""
+class SampleTooLargeError(InsufficientSharedMemoryError):
+    """A sample's data section is larger than one worker's share of ``max_shm_bytes``."""
 
 
 class ShmTransportError(StorageError, RuntimeError):

@@ -61,7 +61,7 @@ def produce(queue, directory: str, start: int, count: int) -> None:
     from conftest import traj
     from torch_storage_loader import FileStorageLoader
 
-    loader = FileStorageLoader(directory, ttl=None, remove_on_shutdown=False)
+    loader = FileStorageLoader(directory, ttl=None)
     with queue.producer():
         for i in range(start, start + count):
             queue.put(loader.save(traj(i)))
@@ -84,7 +84,7 @@ def produce_then_die(queue, directory: str) -> None:
     from conftest import traj
     from torch_storage_loader import FileStorageLoader
 
-    loader = FileStorageLoader(directory, ttl=None, remove_on_shutdown=False)
+    loader = FileStorageLoader(directory, ttl=None)
     with queue.producer():
         queue.put(loader.save(traj(0)))
         time.sleep(0.5)
@@ -95,7 +95,7 @@ def produce_into_directory(directory: str, start: int, count: int) -> None:
     from conftest import traj
     from torch_storage_loader import FileStorageLoader
 
-    with FileStorageLoader(directory, ttl=None, remove_on_shutdown=False) as loader:
+    with FileStorageLoader(directory, ttl=None) as loader:
         for i in range(start, start + count):
             loader.save(traj(i))
             time.sleep(0.01)

@@ -56,7 +56,8 @@ def test_roundtrip_through_workers(tmp_store, method):
     assert stats.loads == len(samples) and stats.errors == 0
     # The first load runs in-process; the rest fill slots until all 2x4 are held, then fall back.
     assert stats.slot_loads + stats.fallbacks == len(samples) - 1 and stats.slot_loads >= 4
-    assert not tmp_store.exists() or not list(tmp_store.iterdir())  # shutdown removed its files
+    # Files live until their TTL, shutdown included: other processes may load the handles later.
+    assert sorted(os.listdir(tmp_store)) == sorted(os.path.basename(s.path) for s in storages)
 
 
 def test_kept_samples_are_never_overwritten(tmp_store):
@@ -278,7 +279,7 @@ def test_clean_exit_under_dev_mode_and_werror(tmp_path, method):
     assert proc.stdout.strip() == "done"
     assert proc.stderr == "", proc.stderr
     assert set(os.listdir("/dev/shm")) <= before
-    assert not list((tmp_path / "s").iterdir())
+    assert len([p for p in (tmp_path / "s").iterdir() if p.name.endswith(".tsl")]) == 10  # kept for their TTL
 
 
 CTRL_C = """

@@ -64,7 +64,7 @@ def collect(queue: StorageQueue, directory: str, collector: int, trajectories: i
     """A collector process: roll out, save each trajectory, hand its handle to the trainer."""
     torch.set_num_threads(1)
     env = BallEnv(collector, size)
-    loader = FileStorageLoader(directory, ttl=None, remove_on_shutdown=False)
+    loader = FileStorageLoader(directory, ttl=None)
     with queue.producer():
         for t in range(trajectories):
             obs = np.empty((steps, 4, size, size), np.float32)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
+from . import _clean
 from .loader import StorageLoader
 from .storage import FileStorage, Storage
 
@@ -22,28 +25,54 @@ def new_file_name() -> str:
     return f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:12]}{SUFFIX}"
 
 
+# Every FileStorageLoader of this process: a directory scan spares what any of them tracks or loads.
+_loaders: weakref.WeakSet = weakref.WeakSet()
+_loaders_lock = threading.Lock()
+
+
+def _key(path: str) -> str:
+    # Handles may spell a path differently (relative, "dir//name"); pin files by one spelling.
+    return os.path.abspath(path)
+
+
 class FileStorageLoader(StorageLoader):
     """Saves each sample to its own file under ``dirname`` (created with parents).
 
-    A background cleaner deletes files this loader saved once they are ``ttl`` seconds old
-    (``ttl=None``: never), except while a load of the file is queued or in flight. ``shutdown``
-    deletes the remaining ones unless ``remove_on_shutdown=False`` (use that when other
-    processes load the handles after this loader is gone).
+    Files live until they are ``ttl`` seconds old (``ttl=None``: forever), whoever shuts down
+    first, so handles stay loadable by other processes after this loader or its process is gone.
+    A background cleaner (started by the first ``save`` or ``load``) deletes this loader's files
+    once expired, except while a load of the file is queued or in flight in this process, and
+    deletes this library's files in ``dirname`` that other loaders left (a process that ended, a
+    loader already shut down) once their mtime is ``ttl`` seconds old; it never touches other
+    files, files being written, or files a ``DirectorySource`` claimed. Loaders sharing a
+    directory should use the same ``ttl``. ``stats().expired`` counts both kinds;
+    ``expired_unloaded`` counts this loader's own files that expired before it loaded them.
+
+    ``shutdown`` deletes the loader's files that already expired and keeps the others for their
+    TTL; ``remove_on_shutdown=True`` deletes all of them instead (only when no other process
+    loads the handles later). A process forked from one holding this loader never deletes the
+    parent's files. ``python -m torch_storage_loader clean DIR --older-than SECONDS`` removes
+    leftovers by hand.
     """
 
     def __init__(self, dirname: str | os.PathLike, ttl: float | None = 20, worker_num: int = 3, *,
-                 allow_pickle: bool = False, fsync: bool = False, remove_on_shutdown: bool = True,
+                 allow_pickle: bool = False, fsync: bool = False, remove_on_shutdown: bool = False,
                  **loader_options: Any) -> None:
         if ttl is not None and ttl <= 0:
-            raise ValueError(f"{ttl=} must be > 0, or None to keep files until shutdown")
+            raise ValueError(f"{ttl=} must be > 0, or None to keep files forever")
         super().__init__(worker_num, **loader_options)
         self.dirname = os.fspath(dirname)
         self.ttl = ttl
         self.allow_pickle = allow_pickle
         self.fsync = fsync
         self.remove_on_shutdown = remove_on_shutdown
-        self._files: collections.OrderedDict[str, list] = collections.OrderedDict()  # path -> [saved_at, loaded]
-        self._busy: collections.Counter = collections.Counter()
+        self._forget_files()
+        with _loaders_lock:
+            _loaders.add(self)
+
+    def _forget_files(self) -> None:
+        self._files: collections.OrderedDict[str, list] = collections.OrderedDict()  # key -> [saved_at, loaded, path]
+        self._busy: collections.Counter = collections.Counter()  # key -> loads queued or in flight
         self._files_lock = threading.Lock()
         self._cleaner: threading.Thread | None = None
         self._cleaner_stop = threading.Event()
@@ -57,15 +86,14 @@ class FileStorageLoader(StorageLoader):
             os.makedirs(self.dirname, exist_ok=True)
             storage.save(obj, fsync=self.fsync)
         with self._files_lock:
-            self._files[storage.path] = [time.monotonic(), False]
-            if self.ttl is not None and self._cleaner is None:
-                self._cleaner_stop = threading.Event()
-                self._cleaner = threading.Thread(target=self._clean_loop, args=(self._cleaner_stop,),
-                                                 name="tsl-ttl-cleaner", daemon=True)
-                self._cleaner.start()
+            self._files[_key(storage.path)] = [time.monotonic(), False, storage.path]
+            self._start_cleaner_locked()
         return storage
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """As ``StorageLoader.shutdown``; then deletes the files that expired (all of this loader's
+        files not being loaded with ``remove_on_shutdown=True``) and forgets the others, which stay
+        until their TTL (another loader on the directory, or ``clean``, deletes them then)."""
         super().shutdown(timeout)
         with self._files_lock:
             cleaner, self._cleaner = self._cleaner, None
@@ -74,56 +102,107 @@ class FileStorageLoader(StorageLoader):
             cleaner.join()
         if self.remove_on_shutdown:
             with self._files_lock:
-                paths = [p for p in self._files if not self._busy[p]]
-                for p in paths:
-                    del self._files[p]
-            for p in paths:
-                _remove(p)
-
-    def _on_submit(self, storage: Storage) -> None:
-        if isinstance(storage, FileStorage):
+                for key in [k for k in self._files if not self._busy[k]]:
+                    _clean.remove(self._files.pop(key)[2])
+        else:
+            self._clean_own()
             with self._files_lock:
-                self._busy[storage.path] += 1
-
-    def _on_finish(self, storage: Storage) -> None:
-        if isinstance(storage, FileStorage):
-            with self._files_lock:
-                self._busy[storage.path] -= 1
-                if self._busy[storage.path] <= 0:
-                    del self._busy[storage.path]
-                entry = self._files.get(storage.path)
-                if entry is not None:
-                    entry[1] = True
+                for key in [k for k in self._files if not self._busy[k]]:
+                    del self._files[key]
 
     def clean_expired(self) -> int:
         """Delete expired files now (the cleaner thread calls this); returns how many went."""
         if self.ttl is None:
             return 0
+        return self._clean_own() + self._clean_directory()
+
+    # ------------------------------------------------------------------------------- internals
+    def _start_cleaner_locked(self) -> None:
+        if self.ttl is not None and self._cleaner is None:
+            self._cleaner_stop = threading.Event()
+            self._cleaner = threading.Thread(target=self._clean_loop, args=(self._cleaner_stop,),
+                                             name="tsl-ttl-cleaner", daemon=True)
+            self._cleaner.start()
+
+    def _on_submit(self, storage: Storage) -> None:
+        with self._files_lock:
+            if isinstance(storage, FileStorage):
+                self._busy[_key(storage.path)] += 1
+            self._start_cleaner_locked()  # a loader that only loads cleans its directory too
+
+    def _on_finish(self, storage: Storage) -> None:
+        if isinstance(storage, FileStorage):
+            key = _key(storage.path)
+            with self._files_lock:
+                self._busy[key] -= 1
+                if self._busy[key] <= 0:
+                    del self._busy[key]
+                entry = self._files.get(key)
+                if entry is not None:
+                    entry[1] = True
+
+    def _clean_own(self) -> int:
+        """Delete this loader's files older than ``ttl`` (by the monotonic clock) and not being loaded."""
+        if self.ttl is None:
+            return 0
         cutoff = time.monotonic() - self.ttl
         doomed = []
-        with self._files_lock:
-            for path, (saved_at, loaded) in self._files.items():
+        with self._files_lock:  # deleted under the lock: a load cannot pin a file being deleted
+            for key, (saved_at, loaded, path) in self._files.items():
                 if saved_at > cutoff:
                     break
-                if not self._busy[path]:
-                    doomed.append((path, loaded))
-            for path, _ in doomed:
-                del self._files[path]
-        with self._lock:
-            self._counts["expired"] += len(doomed)
-            self._counts["expired_unloaded"] += sum(not loaded for _, loaded in doomed)
-        for path, _ in doomed:
-            _remove(path)
+                if not self._busy[key]:
+                    doomed.append((key, loaded, path))
+            for key, _, path in doomed:
+                del self._files[key]
+                _clean.remove(path)
+        if doomed:
+            with self._lock:
+                self._counts["expired"] += len(doomed)
+                self._counts["expired_unloaded"] += sum(not loaded for _, loaded, _ in doomed)
         return len(doomed)
+
+    def _clean_directory(self) -> int:
+        """Delete this library's files in ``dirname`` older than ``ttl`` by mtime that no loader of
+        this process tracks or loads (left by a process that ended, or by a loader shut down)."""
+        paths = _clean.expired_files(self.dirname, self.ttl)
+        if not paths:
+            return 0
+        with _loaders_lock:
+            loaders = sorted(_loaders, key=id)
+        removed = 0
+        with contextlib.ExitStack() as stack:
+            for loader in loaders:  # always in the same order: no deadlock between two scans
+                stack.enter_context(loader._files_lock)
+            for path in paths:
+                key = _key(path)
+                if any(key in loader._files or loader._busy[key] for loader in loaders):
+                    continue
+                removed += _clean.remove(path)
+        if removed:
+            with self._lock:
+                self._counts["expired"] += removed
+        return removed
 
     def _clean_loop(self, stop: threading.Event) -> None:
         period = min(1.0, self.ttl / 4)
         while not stop.wait(period):
             self.clean_expired()
 
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's files are the parent's; never delete them from here."""
+        parent_hook = getattr(super(), "_after_fork_in_child", None)
+        if parent_hook is not None:
+            parent_hook()
+        self._forget_files()
 
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+
+def _forget_parent_files_in_child() -> None:
+    global _loaders_lock
+    _loaders_lock = threading.Lock()  # another thread of the parent may have held it
+    if not hasattr(StorageLoader, "_after_fork_in_child"):  # a StorageLoader without the fork hook
+        for loader in list(_loaders):
+            loader._forget_files()
+
+
+os.register_at_fork(after_in_child=_forget_parent_files_in_child)

@@ -77,7 +77,7 @@ class DirectorySource:
     (``delete_after_load=False`` keeps them as ``*.loaded``), and files that fail are kept as
     ``*.failed``. Producers end the stream with ``end_directory_stream(path)``: consumers stop once
     the marker exists and no unclaimed file is left. Producers should save with
-    ``FileStorageLoader(path, ttl=None, remove_on_shutdown=False)`` so that nothing is deleted
+    ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted
     before a consumer claims it.
     """
 

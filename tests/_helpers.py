@@ -157,3 +157,17 @@ class Tiny(pl.LightningModule):
 
 def tiny_model(record_dir: str | None = None, fail_at: int | None = None) -> Tiny:
     return Tiny(record_dir, fail_at)
+
+
+class EpisodeMissing(LookupError):
+    """A user Storage's own exception type."""
+
+
+class RaisingStorage(Storage):
+    """Raises its own exception type in the worker."""
+
+    def save(self, data) -> None:
+        raise NotImplementedError
+
+    def load(self):
+        raise EpisodeMissing(f"episode {self.path} is gone from the replay buffer")

@@ -4,6 +4,9 @@ Names and defaults follow DI-engine's ``ding.data.storage_loader``, so switching
 Unlike it, data handed to a callback is never overwritten later: each sample lives in a
 shared-memory slot that stays leased until the last array or tensor viewing it is dropped (keep
 what you got as long as you like; the worker uses another slot, or a slower path when none is free).
+
+This module is dispatch: requests, futures, callbacks, retries and stats. The worker processes
+themselves (starting, watching, replacing them, and their wire protocol) are ``_supervisor``'s.
 """
 
 from __future__ import annotations
@@ -12,22 +15,20 @@ import atexit
 import collections
 import dataclasses
 import importlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
-import selectors
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from ._shm import shm_dir
-from ._slots import retire_rings
-from ._supervisor import run_worker
-from .errors import LoadCancelledError, WorkerDiedError, unpack_exception
+from ._shm import default_shm_budget, shm_dir
+from ._supervisor import Failed, Loaded, WorkerConfig, WorkerLost, WorkerPool
+from .errors import LoadCancelledError, WorkerDiedError
 from .storage import Storage
 
 __all__ = ["LoaderStats", "StorageLoader"]
@@ -44,10 +45,12 @@ class LoaderStats:
     errors: int = 0  # loads that failed
     slot_loads: int = 0  # delivered through a shared-memory slot
     fallbacks: int = 0  # delivered in a segment of its own (every slot of every ring still leased)
+    oversize: int = 0  # an outlier too large for the slots, delivered in a segment of its own
+    copies: int = 0  # copied out of shared memory on delivery (the consumer kept every slot)
     regrows: int = 0  # a worker added a ring (slots all leased) or replaced its rings by larger ones
     retries: int = 0  # loads retried after their worker died
     worker_restarts: int = 0
-    queued: int = 0  # loads that waited because every worker was busy
+    queued: int = 0  # loads that waited because every worker was busy or still starting
     queue_wait_s: float = 0.0  # total time they waited
     pending: int = 0  # not yet delivered
     expired: int = 0  # files deleted by the TTL cleaner (FileStorageLoader)
@@ -69,15 +72,23 @@ class _Request:
         self.waited = False
 
 
-class _Worker:
-    __slots__ = ("index", "proc", "conn", "inflight")
+class _WorkersCannotStart(Exception):
+    """Raised on the receiving thread when workers keep exiting before they are up."""
 
-    def __init__(self, index: int, proc, conn) -> None:
-        self.index, self.proc, self.conn = index, proc, conn
-        self.inflight: dict[int, _Request] = {}
+    def __init__(self, event: WorkerLost) -> None:
+        super().__init__(event)
+        self.event = event
+
+    def error_for(self, storage: Storage) -> WorkerDiedError:
+        code = self.event.exitcode
+        return WorkerDiedError(
+            f"loader workers exit with code {code} as they start, so {storage!r} was not loaded; their error "
+            "output says why (under spawn or forkserver, a script that starts loaders needs "
+            "`if __name__ == '__main__':`)", storage=storage, exitcode=code)
 
 
-_live: weakref.WeakSet = weakref.WeakSet()
+_loaders: weakref.WeakSet = weakref.WeakSet()  # every loader of this process, for the fork hook
+_live: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, for the atexit hook
 
 # multiprocessing terminates daemon children from its own atexit hook, registered when
 # multiprocessing.util is first imported. Import it first, so that (atexit being LIFO) loaders
@@ -88,7 +99,17 @@ importlib.import_module("multiprocessing.util")
 @atexit.register
 def _shutdown_live_loaders() -> None:
     for loader in list(_live):
-        loader.shutdown(timeout=5)
+        if loader._pid == os.getpid():
+            loader.shutdown(timeout=5)
+
+
+def _forget_parent_loaders() -> None:
+    for loader in list(_loaders):
+        loader._forget_parent()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_loaders)
 
 
 def default_context():
@@ -100,15 +121,17 @@ def default_context():
 class StorageLoader(ABC):
     """Loads ``Storage`` handles in ``worker_num`` processes and calls back with the samples.
 
-    The first ``load`` reads in the calling thread and sizes each worker's ring of
-    ``slots_per_worker`` shared-memory slots from that sample; later loads run in the workers. A
-    worker whose slots are all still held by the consumer adds rings, up to
+    ``load`` never blocks: the first one starts the workers from the loader's receiving thread.
+    Each worker sizes its ring of ``slots_per_worker`` shared-memory slots from the first sample it
+    loads; a worker whose slots are all still held by the consumer adds rings, up to
     ``max_rings_per_worker``, then gives each further sample a segment of its own (a fallback).
-    Callbacks run on the loader's receiving thread, one at a time, in completion order.
+    The workers together hold at most ``max_shm_bytes`` of shared memory (default: half the shm
+    filesystem). Callbacks run on the receiving thread, one at a time, in completion order.
     """
 
     def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_rings_per_worker: int = 8,
-                 max_inflight_per_worker: int = 4, mp_context: str | mp.context.BaseContext | None = None) -> None:
+                 max_inflight_per_worker: int = 4, max_shm_bytes: int | None = None,
+                 mp_context: str | mp.context.BaseContext | None = None) -> None:
         if worker_num < 1:
             raise ValueError(f"{worker_num=} must be >= 1")
         if slots_per_worker < 1:
@@ -117,27 +140,33 @@ class StorageLoader(ABC):
             raise ValueError(f"{max_rings_per_worker=} must be >= 1")
         if max_inflight_per_worker < 1:
             raise ValueError(f"{max_inflight_per_worker=} must be >= 1")
+        if max_shm_bytes is not None and max_shm_bytes < 1:
+            raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the shared-memory filesystem")
         self._worker_num = worker_num
         self._slots = slots_per_worker
         self._max_rings = max_rings_per_worker
         self._max_inflight = max_inflight_per_worker
+        self._max_shm_bytes = max_shm_bytes
         if isinstance(mp_context, str):
             mp_context = mp.get_context(mp_context)
         self._ctx = mp_context or default_context()
+        self._init_runtime()
+        _loaders.add(self)
+
+    def _init_runtime(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._start_lock = threading.Lock()
         self._counts: collections.Counter = collections.Counter()
+        self._ids = itertools.count()
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._workers: list[_Worker] = []
+        self._pool: WorkerPool | None = None
         self._pending: collections.deque[_Request] = collections.deque()
-        self._ready: collections.deque[tuple[_Request, Any]] = collections.deque()
+        self._inflight: dict[int, _Request] = {}
         self._thread: threading.Thread | None = None
-        self._wake: tuple[int, int] | None = None
         self._stop = threading.Event()
-        self._hint = 0
         self._started = False
         self._closing = False
 
@@ -182,7 +211,6 @@ class StorageLoader(ABC):
             if not self._started or self._closing:
                 return
             self._closing = True
-        leftovers: list[_Request] = []
         try:
             with self._cond:
                 deadline = None if timeout is None else time.monotonic() + timeout
@@ -192,23 +220,12 @@ class StorageLoader(ABC):
                         break
                     self._cond.wait(left)
         finally:
-            with self._lock:
-                leftovers = [req for req, _ in self._ready] + list(self._pending)
-                for w in self._workers:
-                    leftovers += w.inflight.values()
-                    w.inflight = {}
-                self._ready.clear()
-                self._pending.clear()
-                self._stop.set()
-            self._stop_workers_and_thread(on_receiver)
+            leftovers = self._stop_session(on_receiver)
             for req in leftovers:
                 self._finish(req, error=LoadCancelledError(
                     f"shutdown(timeout={timeout}) gave up on loading {req.storage!r}; "
                     "call shutdown() without a timeout to wait for every pending load",
                     storage=req.storage))
-            with self._lock:
-                self._reset_state()
-            _live.discard(self)
 
     def __enter__(self) -> "StorageLoader":
         return self
@@ -223,224 +240,136 @@ class StorageLoader(ABC):
     def _on_finish(self, storage: Storage) -> None:
         """Called once a load is delivered or has failed."""
 
+    def _after_fork_in_child(self) -> None:
+        """Called in a forked child once the loader forgot the parent's workers, threads and loads."""
+
+    # ------------------------------------------------------------------------- for tests, debugging
+    @property
+    def _workers(self) -> list:
+        pool = self._pool
+        return list(pool.workers) if pool is not None else []
+
     # -------------------------------------------------------------------------------- internals
     def _outstanding_locked(self) -> int:
-        return len(self._pending) + len(self._ready) + sum(len(w.inflight) for w in self._workers)
+        return len(self._pending) + len(self._inflight)
 
     def _submit(self, storage: Storage, callback: Callable | None) -> Future:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage must be a Storage handle, got {type(storage).__name__}")
         req = _Request(storage, callback)
         self._on_submit(storage)
-        if self._enqueue(req):
-            return req.future
-        with self._start_lock:  # one first meet at a time; the others queue behind it
-            if not self._enqueue(req):
-                self._first_meet(req)
-        return req.future
-
-    def _enqueue(self, req: _Request) -> bool:
         with self._lock:
             if self._closing:
-                self._on_finish(req.storage)
+                self._on_finish(storage)
                 raise RuntimeError("this loader is shutting down; load again once shutdown() returned")
-            if not self._started:
-                return False
             self._pending.append(req)
-            self._dispatch_locked()
-            return True
+            if not self._started:
+                self._start_locked()
+            pool = self._pool
+        pool.wake()
+        return req.future
 
-    def _first_meet(self, req: _Request) -> None:
-        """Load in this thread to learn the sample size, then start the workers sized from it."""
-        from ._format import layout
-        from ._tree import encode
-
-        try:
-            obj = req.storage.load()
-            _, leaves = encode(obj, allow_pickle=True)
-            hint = layout(leaves)[1]
-        except BaseException as exc:  # noqa: BLE001 - delivered through the Future
-            self._finish(req, error=exc)
-            return
-        with self._lock:
-            self._hint = hint
-            self._wake = os.pipe()
-            os.set_blocking(self._wake[1], False)
-            self._workers = [self._spawn(i) for i in range(self._worker_num)]
-            self._ready.append((req, obj))
-            self._started = True
-            self._thread = threading.Thread(target=self._run, args=(self._stop, self._wake),
-                                            name="tsl-loader-recv", daemon=True)
-            self._thread.start()
-        _live.add(self)
-
-    def _spawn(self, index: int) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
+    def _start_locked(self) -> None:
+        """Start the receiving thread; it starts the workers, so that no caller waits for them."""
+        total = self._max_shm_bytes or default_shm_budget()
         # The shared-memory directory is passed explicitly: a forkserver started earlier would
         # otherwise hand its own, older environment to the worker.
-        proc = self._ctx.Process(target=run_worker, args=(child, self._slots, self._hint, shm_dir(), self._max_rings),
-                                 name=f"tsl-loader-worker-{index}", daemon=True)
-        proc.start()
-        child.close()
-        return _Worker(index, proc, parent)
+        config = WorkerConfig(self._slots, self._max_rings, max(1, total // self._worker_num), shm_dir())
+        self._pool = WorkerPool(self._ctx, self._worker_num, config)
+        self._thread = threading.Thread(target=self._run, args=(self._pool, self._stop),
+                                        name="tsl-loader-recv", daemon=True)
+        self._started = True
+        self._thread.start()
+        _live.add(self)
 
-    def _wakeup(self) -> None:
-        with self._lock:
-            if self._wake is not None:
-                try:
-                    os.write(self._wake[1], b"\0")
-                except OSError:
-                    pass  # the pipe is full: the thread is awake anyway
-
-    def _dispatch_locked(self) -> None:
-        while self._pending:
-            worker = min(self._workers, key=lambda w: len(w.inflight), default=None)
-            if worker is None or len(worker.inflight) >= self._max_inflight:
-                for req in self._pending:
-                    req.waited = True
+    def _run(self, pool: WorkerPool, stop: threading.Event) -> None:
+        try:
+            pool.start()
+            while not stop.is_set():
+                self._dispatch(pool)
+                events = collections.deque(pool.wait())
+                while events and not stop.is_set():
+                    event = events.popleft()
+                    if isinstance(event, WorkerLost):
+                        self._on_worker_lost(event, pool)
+                    else:
+                        self._on_reply(event)
+                    del event  # a sample dropped by its callback frees its slot before the next dispatch
+        except BaseException as exc:  # noqa: BLE001 - fail the loads, never leave them hanging
+            if stop.is_set():
                 return
-            req = self._pending.popleft()
-            if not req.future.running() and not req.future.set_running_or_notify_cancel():
-                self._on_finish(req.storage)
-                continue
-            if req.waited:
-                self._counts["queued"] += 1
-                self._counts["queue_wait_ns"] += int((time.monotonic() - req.enqueued) * 1e9)
-            key = id(req)
-            worker.inflight[key] = req
-            try:
-                worker.conn.send((key, req.storage))
-            except (BrokenPipeError, OSError):
-                pass  # the receiving thread sees the death and retries this request
-
-    def _run(self, stop: threading.Event, wake: tuple[int, int]) -> None:
-        try:
-            self._loop(stop, wake[0])
-        finally:
+            if not isinstance(exc, _WorkersCannotStart):
+                logger.exception("the loader's receiving thread failed; failing its pending loads")
             with self._lock:
-                if self._wake is wake:
-                    self._wake = None
-            for fd in wake:
-                os.close(fd)
+                mine = self._pool is pool
+            if mine:
+                for req in self._stop_session(on_receiver=True):
+                    self._finish(req, error=exc.error_for(req.storage) if isinstance(exc, _WorkersCannotStart) else exc)
 
-    def _loop(self, stop: threading.Event, wake_r: int) -> None:
-        # One selector for the thread's life, re-registered only when the set of workers changes.
-        with selectors.DefaultSelector() as selector:
-            selector.register(wake_r, selectors.EVENT_READ, None)
-            registered: dict[_Worker, tuple[int, int]] = {}
-            while True:
-                while True:  # samples loaded in-process (the first meet)
-                    with self._lock:
-                        if not self._ready:
-                            break
-                        req, obj = self._ready.popleft()
-                    self._count_delivery(None, obj)
-                    self._finish(req, result=obj)
-                    del obj
-                with self._lock:
-                    if stop.is_set():
-                        return
-                    self._dispatch_locked()
-                    workers = list(self._workers)
-                if workers != list(registered):
-                    for fds in registered.values():
-                        for fd in fds:
-                            selector.unregister(fd)
-                    registered = {}
-                    for w in workers:  # by descriptor number: a closed Connection has no fileno()
-                        registered[w] = (w.conn.fileno(), w.proc.sentinel)
-                        selector.register(registered[w][0], selectors.EVENT_READ, (w, True))
-                        selector.register(registered[w][1], selectors.EVENT_READ, (w, False))
-                for key, _ in selector.select():
-                    if key.data is None:
-                        try:
-                            os.read(wake_r, 4096)
-                        except BlockingIOError:
-                            pass
-                        continue
-                    worker, is_conn = key.data
-                    if worker not in registered:
-                        continue
-                    if is_conn and self._receive(worker):
-                        continue
-                    for fd in registered.pop(worker):
-                        selector.unregister(fd)
-                    self._on_death(worker)
-
-    def _receive(self, worker: _Worker) -> bool:
-        """Handle one reply; False when the worker's pipe is closed."""
-        try:
-            key, info, payload = worker.conn.recv()
-        except (EOFError, OSError):
-            return False
+    def _dispatch(self, pool: WorkerPool) -> None:
         with self._lock:
-            req = worker.inflight.get(key)
-        obj, error = None, None
-        if info is None:
-            error = unpack_exception(*payload)
-        else:
-            try:
-                # Maps the slot (its descriptor may come from the worker, which must still be
-                # running: the request stays in flight, so shutdown waits, until this is done).
-                obj = ForkingPickler.loads(payload)
-            except BaseException as exc:  # noqa: BLE001
-                error = exc
-        with self._lock:
-            worker.inflight.pop(key, None)
-        if req is None:  # cancelled by shutdown(timeout); dropping obj frees its slot
-            return True
-        if error is not None:
-            self._finish(req, error=error)
-        else:
-            self._count_delivery(info, obj)
-            self._finish(req, result=obj)
-        return True
+            while self._pending:
+                # A retry waits for an idle worker: queued behind other loads, it would be exposed
+                # to another death for longer.
+                worker = pool.least_busy(1 if self._pending[0].attempts else self._max_inflight)
+                if worker is None:
+                    for req in self._pending:
+                        req.waited = True
+                    break
+                req = self._pending.popleft()
+                if not req.future.running() and not req.future.set_running_or_notify_cancel():
+                    self._on_finish(req.storage)  # cancelled while queued
+                    continue
+                if req.waited:
+                    self._counts["queued"] += 1
+                    self._counts["queue_wait_ns"] += int((time.monotonic() - req.enqueued) * 1e9)
+                    req.waited = False
+                key = next(self._ids)
+                self._inflight[key] = req
+                pool.send(worker, key, req.storage)
 
-    def _count_delivery(self, info, obj) -> None:
+    def _on_reply(self, event: Loaded | Failed) -> None:
+        with self._lock:
+            req = self._inflight.pop(event.request_id, None)
+        if req is None:
+            return  # cancelled by shutdown(timeout); dropping the sample frees its slot
+        if isinstance(event, Failed):
+            self._finish(req, error=event.error)
+            return
+        self._count_delivery(event.info)
+        self._finish(req, result=event.payload)
+
+    def _count_delivery(self, info) -> None:
         with self._lock:
             c = self._counts
             c["loads"] += 1
-            if info is not None:
-                c["bytes"] += info.nbytes
-                c["slot_loads" if info.via == "slot" else "fallbacks"] += 1
-                c["regrows"] += info.regrew
+            c["bytes"] += info.nbytes
+            c[{"slot": "slot_loads", "oversize": "oversize"}.get(info.via, "fallbacks")] += 1
+            c["copies"] += bool(getattr(info, "copied", False))
+            c["regrows"] += info.regrew
 
-    def _on_death(self, worker: _Worker) -> None:
-        with self._lock:
-            if worker not in self._workers:
-                return
-        try:
-            while worker.conn.poll() and self._receive(worker):
-                pass
-        except OSError:
-            pass
-        worker.proc.join(timeout=5)
-        code = worker.proc.exitcode
-        retire_rings(worker.proc.pid)
-        worker.conn.close()
+    def _on_worker_lost(self, event: WorkerLost, pool: WorkerPool) -> None:
+        if not event.restarted and not pool.workers:
+            raise _WorkersCannotStart(event)
         failed: list[_Request] = []
         with self._lock:
-            if worker not in self._workers:
-                return
-            self._workers.remove(worker)
-            for req in worker.inflight.values():
+            self._counts["worker_restarts"] += event.restarted
+            for key in reversed(event.request_ids):
+                req = self._inflight.pop(key, None)
+                if req is None:
+                    continue
                 if req.attempts == 0:
                     req.attempts += 1
                     self._counts["retries"] += 1
                     self._pending.appendleft(req)
                 else:
                     failed.append(req)
-            worker.inflight = {}
-            if not self._stop.is_set():
-                self._workers.append(self._spawn(worker.index))
-                self._counts["worker_restarts"] += 1
-        logger.warning("loader worker %s (pid %s) died with exit code %s; restarted it and retrying "
-                       "its loads once", worker.index, worker.proc.pid, code)
-        for req in failed:
+        for req in reversed(failed):
             self._finish(req, error=WorkerDiedError(
-                f"loader worker died (exit code {code}) twice while loading {req.storage!r}; "
-                "the sample may crash the reader, or the machine is out of memory",
-                storage=req.storage, exitcode=code))
+                f"loader worker {event.index} (pid {event.pid}) died with exit code {event.exitcode} while "
+                f"loading {req.storage!r}, after that load's first worker had died too; the sample may crash "
+                "the reader, or the machine is out of memory",
+                storage=req.storage, exitcode=event.exitcode))
 
     def _finish(self, req: _Request, *, result: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
@@ -462,22 +391,30 @@ class StorageLoader(ABC):
         with self._cond:
             self._cond.notify_all()
 
-    def _stop_workers_and_thread(self, on_receiver: bool) -> None:
+    def _stop_session(self, on_receiver: bool) -> list[_Request]:
+        """Stop the workers and the receiving thread; return the loads they leave undelivered."""
         with self._lock:
-            workers, self._workers = self._workers, []
-        for w in workers:
-            try:
-                w.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        self._wakeup()
-        if self._thread is not None and not on_receiver:
-            self._thread.join()
-        for w in workers:
-            w.proc.join(timeout=5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join()
-            w.conn.close()
-            retire_rings(w.proc.pid)
-            w.proc.close()
+            leftovers = list(self._inflight.values()) + list(self._pending)
+            self._inflight.clear()
+            self._pending.clear()
+            pool, thread = self._pool, self._thread
+            self._stop.set()
+        if pool is not None:
+            pool.wake()
+            if thread is not None and not on_receiver:
+                thread.join()
+            pool.stop()
+        with self._lock:
+            self._reset_state()
+        _live.discard(self)
+        return leftovers
+
+    def _forget_parent(self) -> None:
+        """In a forked child: drop what belongs to the parent (workers, threads, loads); start afresh."""
+        if self._pool is not None:
+            self._pool.forget()
+        if self._ctx.get_start_method() == "forkserver":
+            # The stdlib's forkserver handle does not survive os.fork (it waitpid()s the parent's server).
+            self._ctx = mp.get_context("spawn")
+        self._init_runtime()
+        self._after_fork_in_child()

@@ -171,3 +171,130 @@ class RaisingStorage(Storage):
 
     def load(self):
         raise EpisodeMissing(f"episode {self.path} is gone from the replay buffer")
+
+
+def ddp_train_rank(rank: int, world: int, init_file: str, handles, options: dict, out) -> None:
+    """A DDP (gloo) rank training a tiny model one step per batch; puts (rank, report) on ``out``.
+
+    ``options``: dataset keywords (``batch_size``, ``drop_last``, ``shuffle``, ``seed``) and
+    ``num_workers``, ``persistent_workers``, ``epochs``, ``set_epoch``. A rank that fails (a
+    process-group timeout, say) reports ``{"error": ...}`` instead of hanging its parent.
+    """
+    import datetime
+    import traceback
+    import warnings
+
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    opts = dict(options)
+    num_workers, epochs = opts.pop("num_workers", 0), opts.pop("epochs", 1)
+    persistent, call_set_epoch = opts.pop("persistent_workers", False), opts.pop("set_epoch", False)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4 * 8 * 8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ds = StorageDataset(handles, **opts)
+        dl = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent,
+                        multiprocessing_context="fork" if num_workers else None)
+        report = {"len": len(dl), "padded": ds.stats()["padded"], "epochs": [], "warnings": []}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for epoch in range(epochs):
+                if call_set_epoch:
+                    ds.set_epoch(epoch)
+                ids = []
+                for b in dl:
+                    obs = b["obs"].reshape(*b["obs"].shape[:-3], -1)
+                    loss = torch.nn.functional.mse_loss(model(obs).squeeze(-1), b["reward"])
+                    opt.zero_grad()
+                    loss.backward()  # DDP all-reduces the gradients: ranks must take the same steps
+                    opt.step()
+                    i = b["info"]["id"]
+                    ids.append(i.tolist() if isinstance(i, torch.Tensor) else [int(i)])
+                report["epochs"].append(ids)
+        report["warnings"] = [str(w.message) for w in caught if "IterableDataset" in str(w.message)]
+        del dl
+        out.put((rank, report))
+    except BaseException:
+        out.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(target, world: int, init_file: str, *args, timeout: float = 240) -> dict:
+    """Run ``target(rank, world, init_file, *args, out)`` in ``world`` spawned processes; their reports.
+
+    Joins with a timeout and kills what is left, so a hung rank fails the test instead of hanging it.
+    """
+    import multiprocessing as mp
+    import queue as _queue
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, init_file, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            rank, report = out.get(timeout=max(1.0, deadline - time.monotonic()))
+            got[rank] = report
+    except _queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert len(got) == world, f"ranks {sorted(set(range(world)) - set(got))} never reported (hung?)"
+    for rank, report in got.items():
+        assert "error" not in report, f"rank {rank} failed:\n{report['error']}"
+    return got
+
+
+def len_rank(rank: int, world: int, init_file: str, handles, out) -> None:
+    """A rank checking ``len`` against what it yields, for batch_size x drop_last x num_workers."""
+    import itertools
+    import traceback
+    import warnings
+
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rows = []
+        for batch_size, drop_last, num_workers in itertools.product([None, 2, 3], [False, True], [0, 1, 3]):
+            ds = StorageDataset(handles, batch_size=batch_size, drop_last=drop_last, shuffle=True, seed=5)
+            dl = DataLoader(ds, batch_size=None, num_workers=num_workers,
+                            multiprocessing_context="fork" if num_workers else None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # torch warns when more than len(dl) items come
+                warnings.filterwarnings("ignore", "This DataLoader will create 3 worker processes")  # 2 cores
+                n = len(dl)
+                items = list(dl)
+            ids = [i for b in items for i in (b["info"]["id"].tolist() if batch_size else [int(b["info"]["id"])])]
+            rows.append({"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
+                         "len": n, "len_ds": len(ds), "yielded": len(items), "ids": ids})
+            del items, dl
+        out.put((rank, {"rows": rows}))
+    except BaseException:
+        out.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        dist.destroy_process_group()
+
+
+class TinyCounting(Tiny):
+    """``Tiny`` that also records, per rank, Lightning's ``num_training_batches`` and its steps."""
+
+    def on_train_end(self):
+        super().on_train_end()
+        if self.record_dir is not None:
+            with open(os.path.join(self.record_dir, f"rank{self.global_rank}.batches"), "w") as f:
+                f.write(f"{self.trainer.num_training_batches} {self.trainer.global_step}")

@@ -253,3 +253,154 @@ def test_validation_messages():
         StorageDataset([], collate_fn=list)
     with pytest.raises(TypeError, match=r"source\[1\] is a int"):
         StorageDataset([FileStorage("x"), 3])
+
+
+# ------------------------------------------------------------------ shuffling, length, even shards
+def expected_order(n, seed, epoch, world=1, rank=0, drop_last=False):
+    """What DistributedSampler(shuffle=True, seed, drop_last) gives rank ``rank`` in ``epoch``."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    total = (n // world if drop_last else -(-n // world)) * world
+    order = (order * -(-total // n))[:total]
+    return order[rank:total:world]
+
+
+def flat_ids(batches):
+    return [i for b in batches for i in (b["info"]["id"].tolist() if isinstance(b["info"]["id"], torch.Tensor)
+                                         and b["info"]["id"].dim() else [int(b["info"]["id"])])]
+
+
+@pytest.mark.parametrize("num_workers,persistent,method", [(0, False, None), (2, True, "fork"), (2, False, "spawn"),
+                                                           (2, True, "forkserver")])
+def test_shuffle_is_a_permutation_of_seed_and_epoch(handles, num_workers, persistent, method):
+    ds = StorageDataset(handles, shuffle=True, seed=3)
+    dl = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent,
+                    multiprocessing_context=method)
+    # The epoch advances by itself, in fresh (non-persistent) workers too.
+    auto = [flat_ids(dl) for _ in range(3)]
+    assert auto == [expected_order(24, 3, e) for e in range(3)]
+    assert len({tuple(o) for o in auto}) == 3
+    # set_epoch wins, and reaches persistent workers.
+    ds.set_epoch(7)
+    assert flat_ids(dl) == flat_ids(dl) == expected_order(24, 3, 7)
+    ds.set_epoch(1)
+    assert flat_ids(dl) == auto[1]
+    del dl
+    # Another dataset with the same seed and epoch: the same order; no shuffle: the list's order.
+    other = StorageDataset(handles, shuffle=True, seed=3)
+    other.set_epoch(2)
+    assert flat_ids(DataLoader(other, batch_size=None)) == auto[2]
+    assert flat_ids(DataLoader(StorageDataset(handles), batch_size=None)) == list(range(24))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_len_counts_items_and_never_undercounts(handles, num_workers):
+    for batch_size in (None, 5, 24, 30):
+        for drop_last in (False, True):
+            ds = StorageDataset(handles, batch_size=batch_size, drop_last=drop_last, shuffle=True)
+            dl = DataLoader(ds, batch_size=None, num_workers=num_workers)
+            n = len(dl)  # torch compares what comes with this (and warns, an error here, when more come)
+            got = list(dl)
+            b = batch_size or 1
+            assert n == len(got) == len(ds) == (24 // b if drop_last else -(-24 // b)), (batch_size, drop_last)
+            assert sorted(flat_ids(got)) == (list(range(24)) if not drop_last else sorted(flat_ids(got)))
+            assert len(flat_ids(got)) == (n * b if drop_last else 24)
+            del got, dl
+
+
+def test_streaming_sources_have_no_length(tmp_path):
+    q = StorageQueue()
+    with pytest.raises(TypeError, match="StorageDataset over a QueueSource has no length"):
+        len(StorageDataset(q))
+    with pytest.raises(TypeError, match="has no length"):
+        len(DataLoader(StorageDataset(str(tmp_path / "dir")), batch_size=None))
+    with pytest.raises(ValueError, match="shuffle=True needs a finite source"):
+        StorageDataset(q, shuffle=True)
+    q.close()
+
+
+def test_shuffle_validation_messages(handles):
+    with pytest.raises(TypeError, match="seed='3' must be an int"):
+        StorageDataset(handles, seed="3")
+    with pytest.raises(TypeError, match="shuffle=1 must be a bool"):
+        StorageDataset(handles, shuffle=1)
+    with pytest.raises(TypeError, match="drop_last=None must be a bool"):
+        StorageDataset(handles, drop_last=None)
+    ds = StorageDataset(handles)
+    with pytest.raises(ValueError, match="epoch=-1 must be >= 0"):
+        ds.set_epoch(-1)
+    with pytest.raises(TypeError, match="epoch=1.0 must be an int"):
+        ds.set_epoch(1.0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_with_shuffle_and_epochs(handles, num_workers):
+    def loader():
+        return StatefulDataLoader(StorageDataset(handles, batch_size=2, shuffle=True, seed=11), batch_size=None,
+                                  num_workers=num_workers)
+
+    dl = loader()
+    epoch0 = flat_ids(dl)  # a whole epoch, then part of the next (the epoch advanced by itself)
+    first = []
+    for i, b in enumerate(dl):
+        first += b["info"]["id"].tolist()
+        if i == 4:
+            state = dl.state_dict()
+            break
+    del dl
+    dl = loader()
+    dl.load_state_dict(state)
+    rest = flat_ids(dl)
+    assert epoch0 == expected_order(24, 11, 0)
+    assert first + rest == expected_order(24, 11, 1)  # neither repeats nor skips, same permutation
+    assert flat_ids(dl) == expected_order(24, 11, 2)  # and the epochs go on from there
+    del dl
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_len_per_rank_for_every_combination(handles, tmp_path, world):
+    # 7 handles: uneven over 2 and 3 ranks, over 2 and 3 per batch, over 1 and 3 workers.
+    got = _helpers.run_ranks(_helpers.len_rank, world, str(tmp_path / "init"), handles[:7])
+    rows = list(zip(*(got[r]["rows"] for r in range(world))))
+    for per_rank in rows:
+        cfg = {k: per_rank[0][k] for k in ("batch_size", "drop_last", "num_workers")}
+        b, drop = cfg["batch_size"] or 1, cfg["drop_last"]
+        samples = 7 // world if drop else -(-7 // world)
+        want = samples // b if drop else -(-samples // b)
+        for r, row in enumerate(per_rank):
+            assert row["len"] == row["len_ds"] == row["yielded"] == want, (cfg, r, row)
+            # The same permutation on every rank, DistributedSampler's positions, in order.
+            assert row["ids"] == expected_order(7, 5, 0, world, r, drop)[:want * b], (cfg, r, row)
+        if not drop:
+            assert set().union(*(row["ids"] for row in per_rank)) == set(range(7)), cfg
+
+
+@pytest.mark.parametrize("options", [
+    {"num_workers": 0},
+    {"batch_size": 2, "num_workers": 2, "persistent_workers": True, "shuffle": True, "seed": 3, "epochs": 3,
+     "set_epoch": True},
+    {"batch_size": 2, "num_workers": 2, "shuffle": True, "epochs": 2},
+    {"batch_size": 2, "num_workers": 2, "drop_last": True},
+], ids=["samples", "batches-persistent-shuffled", "batches-shuffled-auto-epoch", "drop-last"])
+def test_ddp_training_on_uneven_data_never_hangs(handles, tmp_path, options):
+    # 5 handles over 2 ranks: without even shards one rank takes a step more, and waits in DDP's
+    # all-reduce until the process group times out (30 s here).
+    got = _helpers.run_ranks(_helpers.ddp_train_rank, 2, str(tmp_path / "init"), handles[:5], options)
+    reports = [got[0], got[1]]
+    drop = options.get("drop_last", False)
+    b = options.get("batch_size") or 1
+    steps = (5 // 2) // b if drop else -(-3 // b)
+    for r, rep in enumerate(reports):
+        assert not rep["warnings"], rep["warnings"]
+        assert rep["len"] == steps and [len(e) for e in rep["epochs"]] == [steps] * options.get("epochs", 1)
+        assert rep["padded"] == (0 if drop or r == 0 else 1)
+    for e in range(options.get("epochs", 1)):
+        ids = [[i for batch in rep["epochs"][e] for i in batch] for rep in reports]
+        if drop:
+            assert len(set(ids[0] + ids[1])) == len(ids[0] + ids[1]) == 2 * steps * b
+        else:
+            assert set(ids[0] + ids[1]) == set(range(5))  # every handle trained on
+        if options.get("shuffle"):
+            for r in range(2):
+                assert ids[r] == expected_order(5, options.get("seed", 0), e, 2, r, drop)[:steps * b]

@@ -23,6 +23,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*consider setting `persistent_workers=True`.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*restarting mid-epoch.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
+    # Lightning warns whenever an IterableDataset has a length; ours splits across workers exactly.
+    pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined:UserWarning"),
 ]
 
 
@@ -118,3 +120,43 @@ def test_datamodule_is_picklable_and_saves_hyperparameters(handles):
     assert back.batch_size == 4 and dm.hparams["batch_size"] == 4 and dm.hparams["num_workers"] == 2
     with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
         StorageDataModule(handles, num_workers=-1)
+
+
+def test_finite_source_sizes_epochs_and_shuffles_each_epoch(tmp_path, handles):
+    import torch
+
+    dm = StorageDataModule(handles, batch_size=4, num_workers=2, shuffle=True, seed=3)
+    model = _helpers.tiny_model()
+    t = trainer(tmp_path, max_epochs=3, max_steps=-1)
+    t.fit(model, datamodule=dm)
+    assert t.num_training_batches == len(dm.train_dataset) == 6
+    epochs = [model.seen[24 * e:24 * (e + 1)] for e in range(3)]
+    for e, seen in enumerate(epochs):  # the trainer's epoch reached the persistent workers
+        g = torch.Generator()
+        g.manual_seed(3 + e)
+        assert seen == torch.randperm(24, generator=g).tolist()
+    dm.teardown("fit")
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ddp_spawn_uneven_source_same_batches_on_every_rank(tmp_path, handles, drop_last):
+    # 5 handles, 2 ranks, batches of 2: 3 samples (one repeated) and 2 batches per rank, or with
+    # drop_last 2 samples and 1 batch. Uneven batch counts would hang DDP's all-reduce.
+    dm = StorageDataModule(handles[:5], batch_size=2, num_workers=1, shuffle=True, drop_last=drop_last)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=tmp_path)
+    t.fit(_helpers.TinyCounting(str(rec)), datamodule=dm)
+    seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
+    counts = [tuple(int(x) for x in (rec / f"rank{r}.batches").read_text().split()) for r in range(2)]
+    per_rank, samples = (1, 2) if drop_last else (2, 3)
+    assert counts == [(per_rank, 2 * per_rank)] * 2  # num_training_batches, steps over 2 epochs
+    assert len(seen[0]) == len(seen[1]) == 2 * samples
+    for e in range(2):
+        epoch = [s[samples * e:samples * (e + 1)] for s in seen]
+        if drop_last:
+            assert len(set(epoch[0] + epoch[1])) == 4
+        else:
+            assert set(epoch[0] + epoch[1]) == set(range(5))  # every handle trained on, one twice

@@ -87,6 +87,12 @@ class StorageDataset(IterableDataset):
     across DataLoader workers and distributed ranks), a ``StorageQueue``, a ``queue.Queue`` or
     multiprocessing queue ending at ``None``, or a directory a ``FileStorageLoader`` writes into.
 
+    Finite sources work like ``DistributedSampler``: ``shuffle=True`` draws a permutation of
+    ``(seed, epoch)``, the same on every rank; every rank yields the same number of items
+    (``len(dataset)``, per rank), by repeating handles from the start of the order
+    (``stats()["padded"]``) or, with ``drop_last=True``, dropping the tail. The epoch advances by
+    itself each time the dataset is iterated; ``set_epoch`` fixes it (persistent workers included).
+
     ``batch_size``: stack that many samples straight into one slot (leaves gain a leading batch
     dimension); use it with ``DataLoader(..., batch_size=None)``. ``collate_fn`` combines samples
     whose shapes differ instead. ``on_error="skip"`` skips (and counts) samples that fail to load
@@ -98,8 +104,15 @@ class StorageDataset(IterableDataset):
 
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list], Any] | None = None, slots_per_worker: int = 4,
-                 max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise") -> None:
+                 max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
+                 shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"{shuffle=} must be a bool")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"{seed=} must be an int")
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"{drop_last=} must be a bool")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
         if collate_fn is not None and batch_size is None:
@@ -120,22 +133,72 @@ class StorageDataset(IterableDataset):
         self.max_rings_per_worker = max_rings_per_worker
         self.max_shm_bytes = max_shm_bytes
         self.on_error = on_error
+        self.shuffle = shuffle
+        self.seed = seed
+        if shuffle and not self.source.finite:
+            raise ValueError("shuffle=True needs a finite source (a list of handles); a stream comes in its own order")
         self._uid = uuid.uuid4().hex
         self._dist: tuple[int, int] | None = None
-        self._epoch = 0
-        self._yielded = 0
-        self._resume = 0
+        self._epoch = 0  # the epoch being (or last) iterated in this copy
+        self._yielded = 0  # groups this copy passed in it
+        self._resume: tuple[int, int] | None = None
+        self._iters = 0
+        self._owner = os.getpid()
+        # Shared with DataLoader workers (persistent ones included): [set_epoch called, its epoch,
+        # then one automatic epoch counter per (num_workers, worker id)], see _next_epoch.
+        self._epochs = torch.zeros(_AUTO_BASE + _auto_slot(_MAX_TRACKED_WORKERS, _MAX_TRACKED_WORKERS - 1) + 1,
+                                   dtype=torch.int64).share_memory_() if self.source.finite else None
         self._skipped = 0
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
 
     # -------------------------------------------------------------------------- the protocol
+    def _own(self) -> None:
+        """Called where this process uses the dataset as a trainer (not in a DataLoader worker).
+
+        A copy that reached another process that way (say, a DDP rank) takes its own epoch counters
+        and process group, so that ranks sharing one pickled dataset never write each other's slots.
+        """
+        if self._owner != os.getpid() and get_worker_info() is None:
+            self._owner, self._dist = os.getpid(), None
+            if self._epochs is not None:
+                self._epochs = self._epochs.clone()
+        if self._epochs is not None and not self._epochs.is_shared():
+            self._epochs.share_memory_()  # e.g. after copy.deepcopy
+
     def __getstate__(self) -> dict:
+        self._own()
         state = self.__dict__.copy()
         state["_filler"], state["_filler_pid"] = None, 0
         if state["_dist"] is None:
             state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
         return state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iterations (as ``DistributedSampler.set_epoch``): call it before ``iter()``.
+
+        Reaches persistent DataLoader workers too. Without it the epoch advances by itself.
+        """
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise TypeError(f"{epoch=} must be an int")
+        if epoch < 0:
+            raise ValueError(f"{epoch=} must be >= 0")
+        self._own()
+        if self._epochs is not None:
+            self._epochs[1] = epoch
+            self._epochs[0] = 1
+
+    def __bool__(self) -> bool:
+        return True  # as before it had a length: ``if dataset:`` must not raise for a stream
+
+    def __len__(self) -> int:
+        """Items (samples, or batches with ``batch_size``) this rank yields per epoch; finite sources only."""
+        if not self.source.finite:
+            raise TypeError(f"a StorageDataset over a {type(self.source).__name__} has no length: "
+                            "it streams until its producers end it")
+        self._own()
+        _, world = self._dist if self._dist is not None else _live_dist()
+        return self.source.items_per_rank(world, self.batch_size or 1, self.drop_last)
 
     def state_dict(self) -> dict:
         """Progress through the current epoch: for resuming a finite source mid-epoch.
@@ -148,44 +211,86 @@ class StorageDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(self.source, ListSource):
             raise TypeError("only a finite source (a list of handles) can resume from a state_dict")
-        self._epoch = int(state["epoch"])
-        self._resume = int(state["yielded"])
+        self._resume = (int(state["epoch"]), int(state["yielded"]))
 
     def stats(self) -> dict[str, int]:
-        """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped."""
+        """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped.
+
+        ``padded``: handles this rank repeats each epoch so that all ranks yield as many items.
+        """
+        padded = 0
+        if self.source.finite:
+            self._own()
+            rank, world = self._dist if self._dist is not None else _live_dist()
+            padded = self.source.padded(rank, world, self.drop_last)
         with _stats_lock:
             c = _stats[self._uid]
-            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped}
+            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped, "padded": padded}
 
     # --------------------------------------------------------------------------- iteration
+    def _next_epoch(self, num_workers: int, wid: int) -> tuple[int, int]:
+        """(epoch, groups to skip) for the iteration starting now in this copy.
+
+        Each worker of a DataLoader counts its own iterations in a shared slot of its own (so fresh
+        copies, as non-persistent workers get, continue where the last ones stopped, and no two
+        processes write one slot); all of a DataLoader's workers start each iteration, so they agree.
+        """
+        slot = _AUTO_BASE + _auto_slot(num_workers, wid) if num_workers <= _MAX_TRACKED_WORKERS else None
+        shared = self._epochs
+        if self._resume is not None:
+            (epoch, skip), self._resume = self._resume, None
+        elif shared[0]:
+            epoch, skip = int(shared[1]), 0
+        else:
+            epoch, skip = (int(shared[slot]) if slot is not None else self._iters), 0
+        self._iters = epoch + 1
+        if slot is not None:
+            shared[slot] = epoch + 1
+        return epoch, skip
+
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        self._own()
         rank, world = self._dist if self._dist is not None else _live_dist()
-        skip, self._resume = self._resume, 0
-        self._yielded = skip
+        if not self.source.finite:
+            return self._iterate(self.source.iterate(rank * nw + wid, world * nw), nw if worker is not None else 0, None)
+        # Decided here, not in the generator: StatefulDataLoader snapshots state_dict() right after iter().
+        epoch, skip = self._next_epoch(nw if worker is not None else 0, wid)
+        self._epoch, self._yielded = epoch, skip
+        groups = self.source.groups(rank, world, wid, nw, epoch=epoch, shuffle=self.shuffle, seed=self.seed,
+                                    batch=self.batch_size or 1, drop_last=self.drop_last)
+        return self._iterate(iter(groups[skip:]), nw if worker is not None else 0, epoch)
+
+    def _iterate(self, source: Iterator, num_workers: int, epoch: int | None) -> Iterator[Any]:
+        """Load what ``source`` gives: groups of handles (finite sources) or single handles (streams)."""
+        filler = self._filler_for(num_workers)
+        in_worker = get_worker_info() is not None
+        if epoch is not None:
+            for group in source:
+                self._yielded += 1  # counts the group even if it is skipped: resume continues after it
+                item = self._load(filler, group, in_worker)
+                if item is not _SKIP:
+                    yield item
+            self._epoch, self._yielded = epoch + 1, 0
+            return
         per_item = self.batch_size or 1
-        handles = self.source.iterate(rank * nw + wid, world * nw, skip * per_item)
-        filler = self._filler_for(nw if worker is not None else 0)
+        handles = source
         group: list = []
         try:
             for storage in handles:
                 group.append(storage)
                 if len(group) == per_item:
-                    item = self._load(filler, group, worker is not None)
+                    item = self._load(filler, group, in_worker)
                     group = []
                     if item is not _SKIP:
-                        self._yielded += 1
                         yield item
             if group and not self.drop_last:
-                item = self._load(filler, group, worker is not None)
+                item = self._load(filler, group, in_worker)
                 if item is not _SKIP:
-                    self._yielded += 1
                     yield item
         finally:
             handles.close()
-        self._epoch += 1
-        self._yielded = 0
 
     def _filler_for(self, num_workers: int) -> SlotFiller:
         if self._filler is None or self._filler_pid != os.getpid():
@@ -222,3 +327,12 @@ class StorageDataset(IterableDataset):
 
 
 _SKIP = object()
+
+# Automatic epoch counters are kept for DataLoaders of up to this many workers (beyond it, only
+# persistent workers advance the epoch by themselves; set_epoch always works).
+_MAX_TRACKED_WORKERS = 64
+_AUTO_BASE = 2
+
+
+def _auto_slot(num_workers: int, wid: int) -> int:
+    return num_workers * (num_workers + 1) // 2 + wid

@@ -27,12 +27,16 @@ class _ConsumedStateLoader(StatefulDataLoader):
     that batch as used, and a run resumed from a mid-epoch checkpoint would skip it.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, epoch_fn: Callable[[], int | None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._epoch_fn = epoch_fn
         self._yielded_states: collections.deque = collections.deque()
         self._consumed_state: dict | None = None
 
     def __iter__(self):
+        epoch = self._epoch_fn() if self._epoch_fn is not None else None
+        if epoch is not None:
+            self.dataset.set_epoch(epoch)  # Lightning calls set_epoch on samplers only
         self._yielded_states.clear()
         self._consumed_state = None
         for batch in super().__iter__():
@@ -54,16 +58,22 @@ class StorageDataModule(pl.LightningDataModule):
     loader is a ``torchdata`` ``StatefulDataLoader``: Lightning checkpoints its ``state_dict``, so a
     run resumed from a mid-epoch checkpoint neither repeats nor skips samples of a finite source.
     ``batch_size`` batches inside the dataset (samples are stacked straight into shared memory).
+    A finite source sizes Lightning's epochs (``len`` per rank, equal on every rank: see
+    ``StorageDataset``); ``shuffle=True`` shuffles the train source with ``seed`` and the trainer's epoch.
     """
 
     def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
                  num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
                  pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable | None = None,
                  slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
-                 multiprocessing_context: str | None = None) -> None:
+                 multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()
         if num_workers < 0:
             raise ValueError(f"{num_workers=} must be >= 0")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"{shuffle=} must be a bool")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"{seed=} must be an int")
         self.save_hyperparameters(ignore=["source", "val_source", "collate_fn"])
         self.source = source
         self.val_source = val_source
@@ -77,6 +87,8 @@ class StorageDataModule(pl.LightningDataModule):
         self.slots_per_worker = slots_per_worker
         self.max_rings_per_worker = max_rings_per_worker
         self.on_error = on_error
+        self.shuffle = shuffle
+        self.seed = seed
         self.multiprocessing_context = multiprocessing_context if num_workers else None
         self.train_dataset: StorageDataset | None = None
         self.val_dataset: StorageDataset | None = None
@@ -92,15 +104,15 @@ class StorageDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Nothing to download or write: producers fill the source."""
 
-    def _dataset(self, source: Any) -> StorageDataset:
+    def _dataset(self, source: Any, shuffle: bool = False) -> StorageDataset:
         return StorageDataset(source, batch_size=self.batch_size, drop_last=self.drop_last,
                               collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
                               max_rings_per_worker=self.max_rings_per_worker,
-                              on_error=self.on_error)
+                              on_error=self.on_error, shuffle=shuffle, seed=self.seed)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None) and self.train_dataset is None:
-            self.train_dataset = self._dataset(self.source)
+            self.train_dataset = self._dataset(self.source, self.shuffle)
         if stage in ("fit", "validate", None) and self.val_source is not None and self.val_dataset is None:
             self.val_dataset = self._dataset(self.val_source)
 
@@ -110,9 +122,14 @@ class StorageDataModule(pl.LightningDataModule):
             self._train_loader.mark_consumed()
         return batch
 
-    def _loader(self, dataset: StorageDataset) -> StatefulDataLoader:
+    def _trainer_epoch(self) -> int | None:
+        trainer = self.trainer
+        return trainer.fit_loop.epoch_progress.current.processed if trainer is not None else None
+
+    def _loader(self, dataset: StorageDataset, train: bool = False) -> StatefulDataLoader:
         loader = _ConsumedStateLoader(
-            dataset, batch_size=None, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+            dataset, epoch_fn=self._trainer_epoch if train else None, batch_size=None,
+            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
             persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context)
         self._loaders.append(loader)
@@ -121,7 +138,7 @@ class StorageDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> StatefulDataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        self._train_loader = self._loader(self.train_dataset)
+        self._train_loader = self._loader(self.train_dataset, train=True)
         return self._train_loader
 
     def val_dataloader(self) -> StatefulDataLoader:
@@ -186,7 +203,7 @@ class StorageStatsCallback(pl.Callback):
         self.batches += 1
         self.bytes += sum(t.nbytes for t in _tensors(batch))
         dm = trainer.datamodule
-        stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset else {}
+        stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset is not None else {}
         elapsed = max(now - (self._start or now), 1e-9)
         samples = self.batches * (getattr(dm, "batch_size", None) or 1)
         pl_module.log_dict({

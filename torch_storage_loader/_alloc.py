@@ -7,9 +7,11 @@
   instead of resizing every ring for good.
 - Rings whose slots are ``SHRINK`` times larger than every one of the last ``WINDOW`` samples
   are retired and rebuilt smaller: idle oversized memory is given back.
-- While every slot is held, rings are added (up to ``max_rings``, within the budget). Past that,
-  the reference that takes the last free slot asks the receiver to copy the sample into private
-  memory and free the slot at once (``copy``), so a consumer that keeps everything costs private memory, not a mapping per sample.
+- While every slot is held, rings are added (up to ``max_rings``, within the budget). Once none
+  can be added and the consumer holds a ring's worth of samples, references ask the receiver to
+  copy the sample into private memory and free the slot at once (``copy``), and one more ring is
+  allowed for those copies to cycle through; so a consumer that keeps everything costs private
+  memory, not a mapping per sample, and no fallback segments.
 - ``budget`` bounds the shared memory of all rings; a sample above it is refused before anything
   is allocated.
 """
@@ -184,7 +186,9 @@ class SlotAllocator:
         return max(0, min(self.n_slots, room // self.slot_size))
 
     def _add_ring(self) -> SlotRing | None:
-        if len(self.rings) >= self.max_rings:
+        # One ring beyond max_rings once the consumer keeps what it gets: its slots only ever
+        # hold copies, which free them on arrival, so they keep cycling (no fallbacks).
+        if len(self.rings) >= self.max_rings + self._keeping():
             return None
         n = self._ring_fits()
         if not n:
@@ -192,11 +196,19 @@ class SlotAllocator:
         self.rings.append(SlotRing(n, self.slot_size))
         return self.rings[-1]
 
+    def _keeping(self, taken: int = 0) -> bool:
+        """The consumer holds (received and kept) at least a ring's worth of samples; ``taken``:
+        slots leased but not yet sent."""
+        held = sum(r.n_slots - r.free_slots() - r.in_flight() for r in self.rings) - taken
+        return held >= self.n_slots
+
     def _short_of_slots(self) -> bool:
-        """No ring can be added and the slot just taken was the last free one."""
+        """Rings reached ``max_rings`` (or the budget) and the consumer keeps what it gets: from
+        then on samples arrive as copies that free their slot on arrival. A consumer that drops
+        what it gets (holding a sample or two) never copies."""
         if len(self.rings) < self.max_rings and self._ring_fits():
             return False
-        return not any(r.free_slots() for r in self.rings)
+        return self._keeping(taken=1)
 
     def _retire_rings(self) -> None:
         for ring in self.rings:

@@ -96,6 +96,10 @@ class SlotRing:
         """A reference was consumed in this process (a DataLoader that collates in its workers)."""
         self._words[_RECEIVED] += 1
 
+    def in_flight(self) -> int:
+        """References sent and not yet received."""
+        return self.sent - self._words[_RECEIVED]
+
     def free_slots(self) -> int:
         w = self._words
         return sum(1 for i in range(self.n_slots) if w[_STATES + i] == 0)
@@ -261,6 +265,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _private(nbytes: int) -> np.ndarray:
+    """Private memory for a copied-out sample. Large buffers come from torch's allocator: numpy
+    asks for transparent huge pages there, and compacting memory for them at every fault made
+    fresh buffers three times slower to fill (0.5 against 1.4 GB/s on these machines)."""
+    if nbytes < 1 << 22:
+        return np.empty(nbytes, np.uint8)
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8).numpy()
+
+
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
     """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views."""
     if os.getpid() != pid:
@@ -318,8 +333,8 @@ def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, seg
         ring.words[_RECEIVED] += 1
         start = CTRL + slot * ring.slot_size
         if copy:
-            buf = np.empty(header.data_size, np.uint8)
-            buf[:] = np.frombuffer(ring.mm, np.uint8, header.data_size, start)
+            buf = _private(header.data_size)
+            np.copyto(buf, np.frombuffer(ring.mm, np.uint8, header.data_size, start))
             if ring.words[_STATES + slot] == generation:
                 ring.words[_STATES + slot] = 0
             if ring.finished():
@@ -375,8 +390,8 @@ def _receive_oneoff(header: Header, segment: ShmSegment, path: str, opts: ReadOp
     from ._tree import build
 
     if copy:
-        buf = np.empty(header.data_size, np.uint8)
-        buf[:] = np.frombuffer(segment.mm, np.uint8, header.data_size)
+        buf = _private(header.data_size)
+        np.copyto(buf, np.frombuffer(segment.mm, np.uint8, header.data_size))
         segment.close()
     else:
         buf = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)

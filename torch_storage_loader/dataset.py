@@ -13,13 +13,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import threading
 import uuid
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
@@ -151,6 +152,7 @@ class StorageDataset(IterableDataset):
         self._skipped = 0
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
+        self._materialize = False  # set per iteration: see _user_collates
 
     # -------------------------------------------------------------------------- the protocol
     def _own(self) -> None:
@@ -266,6 +268,7 @@ class StorageDataset(IterableDataset):
         """Load what ``source`` gives: groups of handles (finite sources) or single handles (streams)."""
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
+        self._materialize = in_worker and _user_collates()
         if epoch is not None:
             for group in source:
                 self._yielded += 1  # counts the group even if it is skipped: resume continues after it
@@ -320,6 +323,8 @@ class StorageDataset(IterableDataset):
         for s in group:
             self.source.done(s, ok=True)
         skipped, self._skipped = self._skipped, 0
+        if in_worker and self._materialize:
+            return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if in_worker:
             return _Delivery(self._uid, info, skipped, payload, filler)
         _record(self._uid, info, skipped)
@@ -327,6 +332,27 @@ class StorageDataset(IterableDataset):
 
 
 _SKIP = object()
+
+
+def _user_collates() -> bool:
+    """Whether the DataLoader worker iterating us passes items to a collate_fn of the user's.
+
+    Called from ``_iterate``'s first step, which torch's dataset fetcher runs: its ``collate_fn``
+    is the DataLoader's. Ours (``default_collate`` through ``_Delivery``'s entry, or
+    ``default_convert``) ship references; a user's function must see samples instead.
+    """
+    from torch.utils.data._utils.collate import default_convert
+    from torch.utils.data._utils.fetch import _BaseDatasetFetcher
+
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        fetcher = frame.f_locals.get("self")
+        if isinstance(fetcher, _BaseDatasetFetcher):
+            return fetcher.collate_fn not in (default_collate, default_convert)
+        frame = frame.f_back
+    return False
 
 # Automatic epoch counters are kept for DataLoaders of up to this many workers (beyond it, only
 # persistent workers advance the epoch by themselves; set_epoch always works).

@@ -309,6 +309,9 @@ def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
     assert "KeyboardInterrupt" in err
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z"
+    # The saved file outlives the interrupted process (its TTL had not expired), whole.
+    (saved,) = (tmp_path / "s").iterdir()
+    assert FileStorage(saved).load()["x"].shape == (100000,)
 
 
 def _state(pid: int) -> str:
@@ -317,4 +320,3 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
-    assert not list((tmp_path / "s").iterdir())

@@ -6,7 +6,15 @@
     warm-up epoch; the trainer reads every leaf of every batch. Prints one JSON line per workload
     with samples/s, GB/s, the trainer process's peak RSS, and the ratios (c)/(a), (c)/(b); then a
     line with the fraction of the ideal (compute-only) time reached when the trainer burns a fixed
-    amount of CPU per batch. Run: python benchmarks/bench_dataset.py
+    amount of CPU per batch (``--burn-ms``).
+
+The GPU-like trainer (``--step-ms``, default 5 and 2 ms): per batch it looks at every leaf, then
+sleeps for the step, leaving the CPU free as while a GPU computes. Printed side by side in one
+run, per step: StorageDataset (2 workers), the default DataLoader path (2 workers), in-process
+loading (0 workers) and, as a ceiling, the same loop over one batch kept in memory: each as the
+fraction of ideal (batches * step / wall, median of ``--rounds``) and the trainer thread's CPU per
+batch (``time.thread_time``, ms; the sleep costs none).
+Run: python benchmarks/bench_dataset.py  (only the GPU-like trainer: --only gpu)
 """
 
 from __future__ import annotations
@@ -157,12 +165,83 @@ def compute_bound(count: int, step_s: float) -> dict:
     return {"workload": "large, trainer burns CPU", "step_ms": step_s * 1e3, "paths": out}
 
 
+def touch(batch) -> int:
+    n = 0
+    for t in leaves(batch):  # what a GPU trainer does on its CPU thread: hand each leaf on
+        n += t.shape[0]
+    return n
+
+
+class Resident:
+    """The ceiling: one batch kept in memory, yielded ``n`` times (no loading at all)."""
+
+    def __init__(self, batch, n: int) -> None:
+        self.batch, self.n = batch, n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield self.batch
+
+
+def gpu_run(loader, step_s: float, epochs: int) -> dict:
+    for batch in loader:  # warm-up epoch: workers started, rings sized, caches warm
+        touch(batch)
+    del batch
+    n = 0
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    for _ in range(epochs):
+        for batch in loader:
+            touch(batch)
+            n += 1
+            time.sleep(step_s)
+        del batch
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    return {"fraction": n * step_s / wall, "cpu_ms": cpu / n * 1e3, "batches": n}
+
+
+def gpu_like(count: int, steps_ms: list[float], epochs: int, rounds: int) -> list[dict]:
+    workdir = tempfile.mkdtemp(prefix="tsl-bench-")
+    out = []
+    try:
+        loaders = make_loaders(workdir, large, count)
+        loaders = {"storage_dataset_2w": loaders["c_storage_dataset"],
+                   "default_2w": loaders["a_default_2_workers"],
+                   "in_process_0w": DataLoader(StorageDataset(list(loaders["c_storage_dataset"].dataset.source.handles)),
+                                               batch_size=None, num_workers=0),
+                   "resident_ceiling": Resident(large(0), count)}
+        for step_ms in steps_ms:
+            runs: dict[str, list[dict]] = {k: [] for k in loaders}
+            for _ in range(rounds):  # interleaved, so that noise from other processes hits every path
+                for key, dl in loaders.items():
+                    runs[key].append(gpu_run(dl, step_ms / 1e3, epochs))
+            paths = {}
+            for key, rs in runs.items():
+                fr = sorted(r["fraction"] for r in rs)
+                cpu = sorted(r["cpu_ms"] for r in rs)
+                paths[key] = {"fraction_of_ideal": round(fr[len(fr) // 2], 3),
+                              "all": [round(f, 3) for f in fr],
+                              "trainer_cpu_ms_per_batch": round(cpu[len(cpu) // 2], 3),
+                              "batches": rs[0]["batches"]}
+            out.append({"workload": "large 7 MB, GPU-like trainer (sleeps per batch)", "step_ms": step_ms,
+                        "rounds": rounds, "paths": paths})
+            print(json.dumps(out[-1]), flush=True)
+        del loaders
+    finally:
+        shutil.rmtree(workdir)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--large", type=int, default=32, help="7 MB trajectories")
     ap.add_argument("--small", type=int, default=64, help="lists of 64 transition dicts")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--burn-ms", type=float, default=20.0, help="CPU the compute-bound trainer burns per batch")
+    ap.add_argument("--step-ms", type=float, nargs="+", default=[5.0, 2.0],
+                    help="GPU-like trainer: sleep per batch (one or more values)")
+    ap.add_argument("--gpu-epochs", type=int, default=4, help="timed epochs over --large files per GPU-like run")
+    ap.add_argument("--rounds", type=int, default=3, help="GPU-like runs per path and step (median printed)")
+    ap.add_argument("--only", choices=("gpu", "throughput"), default=None)
     ap.add_argument("--trainer-threads", type=int, default=1,
                     help="torch intra-op threads of the trainer (0: torch's default). With 2 cores, one "
                          "trainer thread leaves a core to the loading workers, as a tuned run would")
@@ -170,9 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.trainer_threads:
         torch.set_num_threads(args.trainer_threads)
     print(json.dumps({"cores": os.cpu_count(), "trainer_threads": torch.get_num_threads()}), flush=True)
-    print(json.dumps(workload("large", large, args.large, args.epochs)), flush=True)
-    print(json.dumps(workload("small", small, args.small, 1)), flush=True)
-    print(json.dumps(compute_bound(args.large, args.step_ms / 1e3)), flush=True)
+    if args.only != "gpu":
+        print(json.dumps(workload("large", large, args.large, args.epochs)), flush=True)
+        print(json.dumps(workload("small", small, args.small, 1)), flush=True)
+        print(json.dumps(compute_bound(args.large, args.burn_ms / 1e3)), flush=True)
+    if args.only != "throughput":
+        gpu_like(args.large, args.step_ms, args.gpu_epochs, args.rounds)
 
 
 if __name__ == "__main__":

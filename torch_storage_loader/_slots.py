@@ -18,9 +18,9 @@ DataLoader workers, which nobody else supervises).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+import pickle
 import selectors
 import threading
 import uuid
@@ -276,6 +276,13 @@ def _private(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
+def plan_key(header: Header, opts: ReadOptions) -> bytes:
+    """What a reference carries instead of its header: the receiver's key for a cached build plan
+    (``_tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
+    sent it; pickling it here keeps torch out of the workers."""
+    return pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
     """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views."""
     if os.getpid() != pid:
@@ -310,14 +317,18 @@ class SlotRef:
     watch: bool = False
 
     def __reduce__(self):
-        return _receive_slot, (self.ring_uid, self.slot, self.generation, self.slot_size, self.header,
-                               self.path, self.opts, self.segment, os.getpid(), self.copy, self.watch)
+        # The header travels as a plan key: the receiver decodes each distinct header once.
+        return _receive_slot, (self.ring_uid, self.slot, self.generation, self.slot_size,
+                               plan_key(self.header, self.opts), self.path, self.segment, os.getpid(), self.copy,
+                               self.watch)
 
 
-def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, segment, pid, copy=False,
-                  watch=False):
-    from ._tree import build
+def _receive_slot(ring_uid: str, slot: int, generation: int, slot_size: int, key: bytes, path: str,
+                  segment: ShmSegment | None, pid: int, copy: bool = False, watch: bool = False) -> Any:
+    from ._tree import plan_for
 
+    plan = plan_for(key)
+    size = plan.header.data_size
     reg = _registry
     with reg.lock:
         ring = reg.rings.get(ring_uid)
@@ -333,19 +344,20 @@ def _receive_slot(ring_uid, slot, generation, slot_size, header, path, opts, seg
         ring.words[_RECEIVED] += 1
         start = CTRL + slot * ring.slot_size
         if copy:
-            buf = _private(header.data_size)
-            np.copyto(buf, np.frombuffer(ring.mm, np.uint8, header.data_size, start))
+            buf = _private(size)
+            np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
             if ring.words[_STATES + slot] == generation:
                 ring.words[_STATES + slot] = 0
             if ring.finished():
                 reg.forget(ring)
         else:
-            # The lease anchor must be the buffer *exporter*: consumers (numpy, torch) keep a
-            # reference to the exporter, while intermediate memoryviews may be dropped early.
-            buf = (ctypes.c_ubyte * header.data_size).from_buffer(ring.mm, start)
+            # The lease anchor is the array that exports the slot's bytes: every leaf is a view
+            # whose base is this array (numpy collapses view chains onto it; torch.from_numpy keeps
+            # the array it was given), while intermediate memoryviews may be dropped early.
+            buf = np.frombuffer(ring.mm, np.uint8, size, start)
             ring.leases += 1
             weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
-    return build(header, buf, opts, path=path)
+    return plan.build(buf, path)
 
 
 @dataclass
@@ -358,13 +370,13 @@ class BytesRef:
     opts: ReadOptions
 
     def __reduce__(self):
-        return _receive_bytes, (self.header, self.data, self.path, self.opts)
+        return _receive_bytes, (plan_key(self.header, self.opts), self.data, self.path)
 
 
-def _receive_bytes(header: Header, data: bytearray, path: str, opts: ReadOptions) -> Any:
-    from ._tree import build
+def _receive_bytes(key: bytes, data: bytearray, path: str) -> Any:
+    from ._tree import plan_for
 
-    return build(header, data, opts, path=path)
+    return plan_for(key).build(np.frombuffer(data, np.uint8), path)
 
 
 @dataclass
@@ -383,16 +395,18 @@ class OneOffRef:
     copy: bool = False
 
     def __reduce__(self):
-        return _receive_oneoff, (self.header, self.segment, self.path, self.opts, self.copy)
+        return _receive_oneoff, (plan_key(self.header, self.opts), self.segment, self.path, self.copy)
 
 
-def _receive_oneoff(header: Header, segment: ShmSegment, path: str, opts: ReadOptions, copy: bool = False) -> Any:
-    from ._tree import build
+def _receive_oneoff(key: bytes, segment: ShmSegment, path: str, copy: bool = False) -> Any:
+    from ._tree import plan_for
 
+    plan = plan_for(key)
+    size = plan.header.data_size
     if copy:
-        buf = _private(header.data_size)
-        np.copyto(buf, np.frombuffer(segment.mm, np.uint8, header.data_size))
+        buf = _private(size)
+        np.copyto(buf, np.frombuffer(segment.mm, np.uint8, size))
         segment.close()
     else:
-        buf = (ctypes.c_ubyte * header.data_size).from_buffer(segment.mm)
-    return build(header, buf, opts, path=path)
+        buf = np.frombuffer(segment.mm, np.uint8, size)  # its leaves keep the mapping alive
+    return plan.build(buf, path)

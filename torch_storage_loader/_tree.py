@@ -21,7 +21,7 @@ from .errors import PickleNotAllowedError, StorageCorruptError, UnsupportedLeafE
 
 _LITTLE = np.little_endian
 
-__all__ = ["Leaf", "build", "decode", "encode", "format_path", "to_tensors"]
+__all__ = ["Leaf", "Plan", "build", "decode", "encode", "format_path", "plan_for", "to_tensors"]
 
 # numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
 _NUMPY_KINDS = frozenset("biufcmMUS")
@@ -230,47 +230,191 @@ def _numpy_to_tensor(arr: np.ndarray) -> Any:
     return arr
 
 
-def build(header: Header, buf, opts: ReadOptions = ReadOptions(), *, path: str = "") -> Any:
-    """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
+# Torch dtypes that numpy has too: their leaves are made as numpy views, then one from_numpy
+# (cheaper than from_numpy + view + reshape on the tensor).
+_TORCH_AS_NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "int32", "int64",
+                                                      "float16", "float32", "float64", "complex64", "complex128")
+                   if name in _TORCH_DTYPES}
 
-    ``buf`` must be writable (a bytearray, an mmap, a ctypes array): the views keep it alive.
+# Leaf recipes (codes) and tree node codes of a Plan.
+_L_TENSOR, _L_ARRAY, _L_TORCH, _L_TORCH_EMPTY, _L_SCALAR, _L_BYTES, _L_BYTEARRAY, _L_PICKLE = range(8)
+_N_DICT, _N_DICT_OF_LEAVES, _N_LIST, _N_TUPLE, _N_CONST, _N_VALUES, _N_ODICT, _N_TREE = range(8)
+
+
+class Plan:
+    """How to rebuild the samples of one header: the per-leaf recipe and the compiled tree.
+
+    Consecutive samples share their structure, so receivers keep plans (``plan_for``) and pay
+    for decoding the header's spec once; ``build`` then makes one view per leaf and the tree.
     """
-    u8 = np.frombuffer(buf, np.uint8)
-    as_tensors = opts.as_tensors
-    arrays = header.arrays
 
-    def make_leaf(i: int) -> Any:
-        kind, dtype_str, shape, offset, nbytes = arrays[i]
-        raw = u8[offset: offset + nbytes]
+    __slots__ = ("header", "opts", "leaves", "tree", "error")
+
+    def __init__(self, header: Header, opts: ReadOptions = ReadOptions()) -> None:
+        self.header, self.opts = header, opts
+        self.leaves: list[tuple] = []
+        self.tree: Any = None
+        self.error: str | None = None
+        try:
+            self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
+            self.tree = self._node(header.spec)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _leaf(self, i: int, kind: str, dtype_str: str, shape: tuple, offset: int, nbytes: int) -> tuple:
+        shape, end = tuple(shape), offset + nbytes
         if kind == "numpy":
             dtype, tensorable = _numpy_dtype(dtype_str)
-            arr = raw.view(dtype).reshape(shape)
-            return torch.from_numpy(arr) if as_tensors and tensorable else arr
+            return (_L_TENSOR if self.opts.as_tensors and tensorable else _L_ARRAY), offset, end, dtype, shape
         if kind == "torch":
-            dtype = _TORCH_DTYPES[dtype_str]
             if not nbytes:
-                return torch.empty(shape, dtype=dtype)
-            return torch.from_numpy(raw).view(dtype).reshape(shape)
+                return _L_TORCH_EMPTY, offset, end, _TORCH_DTYPES[dtype_str], shape
+            if dtype_str in _TORCH_AS_NUMPY:
+                return _L_TENSOR, offset, end, _TORCH_AS_NUMPY[dtype_str], shape
+            return _L_TORCH, offset, end, _TORCH_DTYPES[dtype_str], shape
         if kind == "numpy_scalar":
-            value = raw.view(dtype_str).reshape(())[()]
-            return _numpy_to_tensor(np.asarray(value)) if as_tensors else value
+            return _L_SCALAR, offset, end, np.dtype(dtype_str), shape
         if kind == "bytes":
-            return raw.tobytes()
+            return _L_BYTES, offset, end, None, shape
         if kind == "bytearray":
+            return _L_BYTEARRAY, offset, end, None, shape
+        return _L_PICKLE, offset, end, i, shape
+
+    def _node(self, node: list) -> Any:
+        tag = node[0]
+        if tag == "a":
+            i = node[1]
+            if type(i) is not int or not 0 <= i < len(self.leaves):
+                raise IndexError(f"leaf {i!r} out of range")
+            return i  # a leaf: an index into the sample's leaves
+        if tag == "d" or tag == "od":
+            keys = tuple(_key(k) for k in node[1])
+            children = tuple(self._node(v) for v in node[2])
+            n = min(len(keys), len(children))
+            keys, children = keys[:n], children[:n]
+            if tag == "d" and all(type(c) is int for c in children):
+                return _N_DICT_OF_LEAVES, keys, children
+            return (_N_DICT if tag == "d" else _N_ODICT), keys, children
+        if tag == "l" or tag == "t":
+            return (_N_LIST if tag == "l" else _N_TUPLE), tuple(self._node(v) for v in node[1])
+        if tag == "n":
+            return _N_CONST, None
+        if tag in ("b", "i", "s"):
+            return _N_CONST, node[1]
+        if tag == "f":
+            return _N_CONST, float.fromhex(node[1])
+        if tag == "c":
+            return _N_CONST, complex(float.fromhex(node[1]), float.fromhex(node[2]))
+        if tag == "v":  # one inline scalar per sample of a stacked batch
+            return _N_VALUES, tuple(self._node(v) for v in node[1])
+        if tag in ("tt", "tn"):
+            want = "tt" if self.opts.as_tensors else tag
+            tree_type = next(t for t, name in _treetensor_types().items() if name == want)
+            return _N_TREE, tree_type, tuple(node[1]), tuple(self._node(v) for v in node[2])
+        raise ValueError(f"unknown tree node tag {tag!r}")
+
+    def build(self, u8: np.ndarray, path: str = "") -> Any:
+        """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it)."""
+        if self.error is not None:
+            raise _damaged(path, self.error)
+        leaves: list[Any] = []
+        add = leaves.append
+        try:
+            for code, start, end, a, shape in self.leaves:
+                if code == _L_TENSOR:
+                    add(torch.from_numpy(u8[start:end].view(a).reshape(shape)))
+                elif code == _L_ARRAY:
+                    add(u8[start:end].view(a).reshape(shape))
+                else:
+                    add(self._other_leaf(u8, code, start, end, a, shape, path))
+            tree = self.tree
+            if type(tree) is int:
+                return leaves[tree]
+            if tree[0] == _N_DICT_OF_LEAVES:
+                return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
+            return self._walk(tree, leaves)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+
+    def _other_leaf(self, u8: np.ndarray, code: int, start: int, end: int, a: Any, shape: tuple, path: str) -> Any:
+        raw = u8[start:end]
+        if code == _L_TORCH:
+            return torch.from_numpy(raw).view(a).reshape(shape)
+        if code == _L_TORCH_EMPTY:
+            return torch.empty(shape, dtype=a)
+        if code == _L_SCALAR:
+            value = raw.view(a).reshape(())[()]
+            return _numpy_to_tensor(np.asarray(value)) if self.opts.as_tensors else value
+        if code == _L_BYTES:
+            return raw.tobytes()
+        if code == _L_BYTEARRAY:
             return bytearray(raw)
-        if not opts.allow_pickle:
+        if not self.opts.allow_pickle:
             raise PickleNotAllowedError(
-                f"{path}: holds a pickled value (leaf {i}); loading it would run code from the file. "
+                f"{path}: holds a pickled value (leaf {a}); loading it would run code from the file. "
                 "Pass allow_pickle=True only if you trust whoever wrote it",
                 path=path,
             )
-        return pickle.loads(raw)
+        return pickle.loads(raw.data)
 
-    try:
-        return _Decoder(make_leaf, as_tensors).walk(header.spec)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise StorageCorruptError(f"{path}: tree in header is damaged ({type(exc).__name__}: {exc}); "
-                                  "delete the file or save the sample again", path=path) from None
+    def _walk(self, node: Any, leaves: list) -> Any:
+        if type(node) is int:
+            return leaves[node]
+        code = node[0]
+        if code == _N_DICT_OF_LEAVES:
+            return {k: leaves[i] for k, i in zip(node[1], node[2])}
+        if code == _N_DICT:
+            return {k: self._walk(v, leaves) for k, v in zip(node[1], node[2])}
+        if code == _N_LIST:
+            return [self._walk(v, leaves) for v in node[1]]
+        if code == _N_TUPLE:
+            return tuple(self._walk(v, leaves) for v in node[1])
+        if code == _N_CONST:
+            return node[1]
+        if code == _N_VALUES:
+            values = [self._walk(v, leaves) for v in node[1]]
+            kinds = {type(v) for v in values}
+            if self.opts.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
+                return torch.tensor(values)
+            return values
+        if code == _N_ODICT:
+            return collections.OrderedDict((k, self._walk(v, leaves)) for k, v in zip(node[1], node[2]))
+        return node[1]({k: self._walk(v, leaves) for k, v in zip(node[2], node[3])})
+
+
+def _damaged(path: str, why: str) -> StorageCorruptError:
+    return StorageCorruptError(f"{path}: tree in header is damaged ({why}); "
+                               "delete the file or save the sample again", path=path)
+
+
+_plans: dict[bytes, Plan] = {}
+_MAX_PLANS = 256
+
+
+def plan_for(key: bytes) -> Plan:
+    """The plan of a ``_slots.plan_key``: decoded once per distinct header (and options) in this process.
+
+    Keyed by the key's bytes themselves, so nothing depends on which worker, ring or process
+    sent it; at most ``_MAX_PLANS`` are kept (all are dropped when full: headers that keep
+    changing cost what they cost without a cache).
+    """
+    plan = _plans.get(key)
+    if plan is None:
+        plan = Plan(*pickle.loads(key))
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def build(header: Header, buf, opts: ReadOptions = ReadOptions(), *, path: str = "") -> Any:
+    """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
+
+    ``buf`` must be writable (a bytearray, an mmap, a ctypes array, a uint8 array): the views
+    keep it alive.
+    """
+    u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
+    return Plan(header, opts).build(u8, path)
 
 
 class _ToTensors:

@@ -34,15 +34,25 @@ _stats: dict[str, collections.Counter] = collections.defaultdict(collections.Cou
 _stats_lock = threading.Lock()
 
 
+_COUNTER_OF = {"slot": "slot_loads", "fallback": "fallbacks", "oversize": "oversize"}
+
+
 def _record(uid: str, info: FillInfo, skipped: int) -> None:
+    _count(uid, info.via, info.nbytes, info.regrew, info.copied, skipped)
+
+
+def _count(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int) -> None:
     with _stats_lock:
         c = _stats[uid]
         c["loads"] += 1
-        c["bytes"] += info.nbytes
-        c[{"slot": "slot_loads", "fallback": "fallbacks", "oversize": "oversize"}.get(info.via, "local_loads")] += 1
-        c["regrows"] += info.regrew
-        c["copies"] += info.copied
-        c["skipped"] += skipped
+        c["bytes"] += nbytes
+        c[_COUNTER_OF.get(via, "local_loads")] += 1
+        if regrew:
+            c["regrows"] += 1
+        if copied:
+            c["copies"] += 1
+        if skipped:
+            c["skipped"] += skipped
 
 
 _STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "oversize", "copies", "local_loads", "regrows", "skipped")
@@ -57,11 +67,14 @@ class _Delivery:
         self.uid, self.info, self.skipped, self.payload, self.filler = uid, info, skipped, payload, filler
 
     def __reduce__(self):
-        return _receive, (self.uid, self.info, self.skipped, self.payload)
+        # The payload is unpickled first (it is an argument), then _receive counts it; the stats
+        # travel as plain values, cheaper to unpickle than a FillInfo.
+        info = self.info
+        return _receive, (self.uid, info.via, info.nbytes, info.regrew, info.copied, self.skipped, self.payload)
 
 
-def _receive(uid: str, info: FillInfo, skipped: int, sample: Any) -> Any:
-    _record(uid, info, skipped)
+def _receive(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any) -> Any:
+    _count(uid, via, nbytes, regrew, copied, skipped)
     return sample
 
 
@@ -104,7 +117,7 @@ class StorageDataset(IterableDataset):
     """
 
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
-                 collate_fn: Callable[[list], Any] | None = None, slots_per_worker: int = 4,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, slots_per_worker: int = 4,
                  max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
                  shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()

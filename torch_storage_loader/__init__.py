@@ -15,11 +15,14 @@ _EXPORTS = {
     "DirectorySource": "_sources",
     "FileStorage": "storage",
     "FileStorageLoader": "file_loader",
+    "HandleRecordError": "errors",
     "InsufficientSharedMemoryError": "errors",
     "LoadCancelledError": "errors",
     "LoaderStats": "loader",
     "PickleNotAllowedError": "errors",
     "ProducerDiedError": "queue",
+    "RedisStorageQueue": "redis_queue",
+    "RedisUnavailableError": "errors",
     "SampleMismatchError": "errors",
     "SampleTooLargeError": "errors",
     "Storage": "storage",
@@ -29,9 +32,11 @@ _EXPORTS = {
     "StorageLoader": "loader",
     "StorageNotFoundError": "errors",
     "StorageQueue": "queue",
+    "UnregisteredStorageTypeError": "errors",
     "UnsupportedLeafError": "errors",
     "WorkerDiedError": "errors",
     "end_directory_stream": "_sources",
+    "register_storage_type": "_codec",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,12 +56,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .errors import (InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
-                         SampleMismatchError, SampleTooLargeError, StorageCorruptError, StorageError, StorageNotFoundError,
-                         UnsupportedLeafError, WorkerDiedError)
+    from .errors import (HandleRecordError, InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
+                         RedisUnavailableError, SampleMismatchError, SampleTooLargeError, StorageCorruptError,
+                         StorageError, StorageNotFoundError, UnregisteredStorageTypeError, UnsupportedLeafError,
+                         WorkerDiedError)
+    from ._codec import register_storage_type
     from ._sources import DirectorySource, end_directory_stream
     from .dataset import StorageDataset
     from .file_loader import FileStorageLoader
     from .queue import ProducerDiedError, StorageQueue
+    from .redis_queue import RedisStorageQueue
     from .loader import LoaderStats, StorageLoader
     from .storage import FileStorage, Storage

@@ -175,6 +175,13 @@ def end_directory_stream(path: str | os.PathLike) -> None:
 def as_source(source: Any):
     if isinstance(source, (ListSource, QueueSource, DirectorySource)):
         return source
+    import sys
+
+    redis_queue = sys.modules.get(f"{__package__}.redis_queue")  # imported only by its users: redis is heavy
+    if redis_queue is not None and isinstance(source, redis_queue.RedisSource):
+        return source
+    if redis_queue is not None and isinstance(source, redis_queue.RedisStorageQueue):
+        return source.as_source()
     if isinstance(source, (StorageQueue, _queue.Queue, multiprocessing.queues.Queue)):
         return QueueSource(source)
     if isinstance(source, (str, os.PathLike)):
@@ -184,8 +191,8 @@ def as_source(source: Any):
     try:
         return ListSource(source)
     except TypeError as exc:
-        raise TypeError(f"source must be a list of Storage handles, a StorageQueue, a queue, or a "
-                        f"directory path; got {type(source).__name__} ({exc})") from None
+        raise TypeError(f"source must be a list of Storage handles, a StorageQueue, a RedisStorageQueue, a "
+                        f"queue, or a directory path; got {type(source).__name__} ({exc})") from None
 
 
 def _in_child_process() -> bool:

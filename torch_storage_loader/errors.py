@@ -6,9 +6,11 @@ import pickle
 import traceback
 
 __all__ = [
+    "HandleRecordError",
     "InsufficientSharedMemoryError",
     "LoadCancelledError",
     "PickleNotAllowedError",
+    "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
@@ -16,6 +18,7 @@ __all__ = [
     "StorageCorruptError",
     "StorageError",
     "StorageNotFoundError",
+    "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "WorkerDiedError",
 ]
@@ -99,3 +102,15 @@ def pack_exception(exc: BaseException) -> tuple[BaseException, str]:
 def unpack_exception(exc: BaseException, tb: str) -> BaseException:
     exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
     return exc
+
+
+class HandleRecordError(StorageError, ValueError):
+    """A handle record from a network queue is malformed (not JSON, a pickle, wrong fields)."""
+
+
+class UnregisteredStorageTypeError(StorageError, TypeError):
+    """A handle's type is not allow-listed for network queues. ``type_name`` names it."""
+
+
+class RedisUnavailableError(StorageError, ConnectionError):
+    """Redis could not be reached (or refused the credentials) after retries. ``url`` has no password."""

@@ -1,0 +1,413 @@
+"""RedisStorageQueue against real redis-server processes (no mocks): delivery, claims, restarts, safety."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue as _queue
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
+from torch_storage_loader import (FileStorage, HandleRecordError, ProducerDiedError, RedisStorageQueue,
+                                  RedisUnavailableError, UnregisteredStorageTypeError)
+
+
+def _stream() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def _raw(url: str):
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+def _drain(q: RedisStorageQueue, out: list, ack: bool = True) -> None:
+    for token, storage in q:
+        out.append(storage.path)
+        if ack:
+            q.ack(token)
+
+
+def _join(procs, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+# -- processes (module-level, so that spawned children can import them) ----------------------------
+
+def produce(q: RedisStorageQueue, k: int, count: int) -> None:
+    with q.producer():
+        for i in range(count):
+            q.put(FileStorage(f"/data/p{k}/{i:04d}.tsl"))
+
+
+def consume(q: RedisStorageQueue, out) -> None:
+    got: list = []
+    _drain(q, got)
+    out.put(got)
+
+
+def take_and_hang(q: RedisStorageQueue, n: int, out) -> None:
+    tokens = [q.get()[0] for _ in range(n)]
+    out.put(tokens)
+    time.sleep(600)
+
+
+def produce_then_die(q: RedisStorageQueue) -> None:
+    with q.producer():
+        q.put(FileStorage("/data/last.tsl"))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+def test_put_get_ack_roundtrip(redis_server, handles):
+    q = RedisStorageQueue(redis_server.url, _stream())
+    try:
+        ids = [q.put(h) for h in handles[:5]]
+        got = [q.get(timeout=5) for _ in range(5)]
+        assert [t for t, _ in got] == ids
+        assert [s for _, s in got] == handles[:5]
+        assert all(type(s) is FileStorage and s.load()["info"]["id"] == i for i, (_, s) in enumerate(got))
+        assert q.stats()["pending"] == 5
+        assert q.ack(*[t for t, _ in got[:2]]) == 2
+        for t, _ in got[2:]:
+            assert q.ack(t) == 1
+        with pytest.raises(_queue.Empty):
+            q.get(timeout=0.3)
+        q.close()
+        assert q.get() is None
+        s = q.stats()
+        assert (s["delivered"], s["acked"], s["duplicates"], s["claimed"], s["pending"]) == (5, 5, 0, 0, 0)
+        assert s["length"] == 0, "acknowledged entries are trimmed"
+    finally:
+        q.delete()
+
+
+def test_validation_and_pickle(redis_server):
+    with pytest.raises(ValueError, match="claim_after=0 must be > 0"):
+        RedisStorageQueue(redis_server.url, "s", claim_after=0)
+    with pytest.raises(ValueError, match="prefetch=0"):
+        RedisStorageQueue(redis_server.url, "s", prefetch=0)
+    with pytest.raises(ValueError, match="redis://"):
+        RedisStorageQueue("http://example.com", "s")
+    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=3)
+    try:
+        q.put(FileStorage("/a.tsl"))  # connected
+        copy = pickle.loads(pickle.dumps(q))
+        assert copy._client is None and copy.consumer != q.consumer and copy.claim_after == 3
+        assert copy.get(timeout=5)[1] == FileStorage("/a.tsl")
+        with pytest.raises(TypeError, match="Storage handles"):
+            q.put("/a.tsl")
+    finally:
+        q.delete()
+
+
+def test_close_ends_iteration_for_every_consumer(redis_server):
+    stream = _stream()
+    q = RedisStorageQueue(redis_server.url, stream)
+    try:
+        for i in range(30):
+            q.put(FileStorage(f"/c/{i}.tsl"))
+        outs = [[] for _ in range(3)]
+        threads = [threading.Thread(target=_drain, args=(RedisStorageQueue(redis_server.url, stream), out))
+                   for out in outs]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        q.close()
+        for t in threads:
+            t.join(15)
+        assert not any(t.is_alive() for t in threads), "a consumer did not stop after close()"
+        assert sorted(p for out in outs for p in out) == sorted(f"/c/{i}.tsl" for i in range(30))
+        s = q.stats()
+        assert (s["delivered"], s["acked"], s["duplicates"], s["pending"]) == (30, 30, 0, 0)
+    finally:
+        q.delete()
+
+
+def test_producers_and_consumers_in_processes(redis_server):
+    ctx = mp.get_context("spawn")
+    q = RedisStorageQueue(redis_server.url, _stream())
+    out = ctx.Queue()
+    try:
+        consumers = [ctx.Process(target=consume, args=(q, out)) for _ in range(2)]
+        producers = [ctx.Process(target=produce, args=(q, k, 40)) for k in range(3)]
+        for p in consumers + producers:
+            p.start()
+        _join(producers)
+        q.close()
+        got = [out.get(timeout=60) for _ in consumers]
+        _join(consumers)
+        everything = [p for g in got for p in g]
+        assert sorted(everything) == sorted(f"/data/p{k}/{i:04d}.tsl" for k in range(3) for i in range(40))
+        assert all(got), "both consumers got entries"
+        s = q.stats()
+        assert (s["delivered"], s["acked"], s["duplicates"], s["pending"]) == (120, 120, 0, 0)
+        assert q.dead_producers() == []
+    finally:
+        out.close()
+        out.join_thread()
+        q.delete()
+
+
+def test_killed_consumer_entries_are_claimed(redis_server):
+    ctx = mp.get_context("spawn")
+    claim_after = 2.0
+    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=claim_after)
+    out = ctx.Queue()
+    try:
+        for i in range(10):
+            q.put(FileStorage(f"/k/{i}.tsl"))
+        victim = ctx.Process(target=take_and_hang, args=(q, 3, out))
+        victim.start()
+        taken = out.get(timeout=60)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        killed_at = time.monotonic()
+        q.close()
+        got, when = {}, {}
+        for token, storage in q:
+            got[token] = storage.path
+            when[token] = time.monotonic() - killed_at
+            q.ack(token)
+        assert sorted(got.values()) == [f"/k/{i}.tsl" for i in range(10)]
+        assert all(when[t] < claim_after + 3 for t in taken), when
+        s = q.stats()
+        assert (s["claimed"], s["duplicates"], s["acked"], s["delivered"], s["pending"]) == (3, 3, 10, 13, 0)
+        q.ack(taken[0])  # a late acknowledgement from the consumer we thought dead: already counted
+        assert q.stats()["duplicates"] == 3
+    finally:
+        out.close()
+        out.join_thread()
+        q.delete()
+
+
+def test_dead_producer_raises(redis_server):
+    ctx = mp.get_context("spawn")
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=1.0)
+    try:
+        p = ctx.Process(target=produce_then_die, args=(q,))
+        p.start()
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+        token, storage = q.get(timeout=10)
+        assert storage.path == "/data/last.tsl"
+        q.ack(token)
+        t0 = time.monotonic()
+        with pytest.raises(ProducerDiedError, match="forget_dead_producers") as info:
+            q.get(timeout=30)
+        assert time.monotonic() - t0 < 5
+        assert info.value.producers == q.dead_producers() and len(info.value.producers) == 1
+        assert q.forget_dead_producers() == info.value.producers
+        with pytest.raises(_queue.Empty):
+            q.get(timeout=0.5)
+    finally:
+        q.delete()
+
+
+def test_producer_heartbeat_thread(redis_server):
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.4)
+    try:
+        with q.producer():
+            assert [t.name for t in threading.enumerate()].count("tsl-redis-heartbeat") == 1
+            time.sleep(1.0)  # past the heartbeat's TTL: refreshed meanwhile
+            assert q.dead_producers() == []
+            q.put(FileStorage("/h.tsl"))
+        assert "tsl-redis-heartbeat" not in [t.name for t in threading.enumerate()]
+        assert q.get(timeout=5)[1] == FileStorage("/h.tsl")
+        with pytest.raises(_queue.Empty):
+            q.get(timeout=0.5)  # the producer left: nobody is dead
+    finally:
+        q.delete()
+
+
+def test_redis_restart_loses_nothing(fresh_redis_server, caplog):
+    caplog.set_level(logging.WARNING, "torch_storage_loader")
+    server = fresh_redis_server(appendonly=True)
+    stream = _stream()
+    q = RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0)
+    n = 300
+    outs = [[] for _ in range(2)]
+    errors = []
+
+    def run(out):
+        try:
+            _drain(RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0), out)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    consumers = [threading.Thread(target=run, args=(out,)) for out in outs]
+    for t in consumers:
+        t.start()
+    try:
+        for i in range(n):
+            q.put(FileStorage(f"/r/{i:04d}.tsl"))
+            if i == n // 2:
+                server.stop(signal.SIGKILL)
+                server.start()
+            time.sleep(0.002)
+        q.close()
+        for t in consumers:
+            t.join(60)
+        assert not any(t.is_alive() for t in consumers)
+        assert not errors, errors
+        got = [p for out in outs for p in out]
+        assert set(got) == {f"/r/{i:04d}.tsl" for i in range(n)}  # redeliveries allowed, losses not
+        assert any("retrying" in r.getMessage() for r in caplog.records), "the restart went unnoticed"
+        s = q.stats()
+        assert s["pending"] == 0 and s["acked"] >= n
+    finally:
+        q.close()
+        for t in consumers:
+            t.join(30)
+
+
+class Evil:
+    """Unpickling this would create ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_forged_records_are_refused(redis_server, tmp_path):
+    from _helpers import MemoryStorage
+    from torch_storage_loader import _codec, register_storage_type
+
+    q = RedisStorageQueue(redis_server.url, _stream())
+    raw = _raw(redis_server.url)
+    marker = tmp_path / "unpickled"
+    try:
+        q.put(FileStorage("/ok/0.tsl"))
+        raw.xadd(q.stream, {"h": json.dumps({"type": "os.system", "fields": {"command": f"touch {marker}"}})})
+        raw.xadd(q.stream, {"h": pickle.dumps(Evil(str(marker)))})
+        raw.xadd(q.stream, {"h": json.dumps({"type": "_helpers.MemoryStorage", "fields": {"path": "m"}})})
+        raw.xadd(q.stream, {"h": json.dumps({"type": "FileStorage", "fields": {"path": "/x", "allow_pickle": True}})})
+        raw.xadd(q.stream, {"h": json.dumps({"type": "FileStorage", "fields": {"path": "/x", "load": 1}})})
+        raw.xadd(q.stream, {"payload": b"\x80\x04junk"})
+        q.put(FileStorage("/ok/1.tsl"))
+
+        assert q.get(timeout=5)[1] == FileStorage("/ok/0.tsl")
+        with pytest.raises(UnregisteredStorageTypeError, match=r"'os\.system'.*register_storage_type"):
+            q.get(timeout=5)
+        with pytest.raises(HandleRecordError, match="not a JSON handle record.*never as pickles"):
+            q.get(timeout=5)
+        with pytest.raises(UnregisteredStorageTypeError, match="_helpers.MemoryStorage"):
+            q.get(timeout=5)
+        with pytest.raises(HandleRecordError, match="allow_pickle=True"):
+            q.get(timeout=5)
+        with pytest.raises(HandleRecordError, match="'load'"):
+            q.get(timeout=5)
+        with pytest.raises(HandleRecordError, match="not one 'h' field"):
+            q.get(timeout=5)
+        assert q.get(timeout=5)[1] == FileStorage("/ok/1.tsl")
+        assert not marker.exists(), "a payload was unpickled"
+        s = q.stats()
+        assert s["refused"] == 6 and s["pending"] == 2  # refused entries are acknowledged, never redelivered
+
+        with pytest.raises(UnregisteredStorageTypeError, match=r"_helpers\.MemoryStorage.*register_storage_type"):
+            q.put(MemoryStorage([1, 2], "m"))
+        try:
+            register_storage_type(MemoryStorage)
+            q.put(MemoryStorage([1, {"a": None}], "m"))
+            assert q.get(timeout=5)[1] == MemoryStorage([1, {"a": None}], "m")
+            with pytest.raises(HandleRecordError, match="MemoryStorage.value is a bytes"):
+                q.put(MemoryStorage(b"raw", "m"))
+        finally:
+            _codec._REGISTRY.pop("_helpers.MemoryStorage", None)
+    finally:
+        raw.close()
+        q.delete()
+
+
+def test_password_never_shows(fresh_redis_server, caplog):
+    password = "pw-9f8e7d6c5b4a"
+    server = fresh_redis_server(password=password)
+    caplog.set_level(logging.DEBUG)
+    q = RedisStorageQueue(server.url, _stream())
+    try:
+        assert password in server.url
+        q.put(FileStorage("/p/0.tsl"))
+        token, storage = q.get(timeout=5)
+        q.ack(token)
+        shown = [repr(q), str(q.url), repr(storage), repr(token), repr(q.stats())]
+        shown += [repr(e) for e in _raw(server.url).xrange(q.stream)]
+        wrong = server.url.replace(password, "wrong-" + password)
+        with pytest.raises(RedisUnavailableError, match="refused the credentials") as bad:
+            RedisStorageQueue(wrong, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+        closed_port = server.url.replace(str(server.port), "1")
+        with pytest.raises(RedisUnavailableError, match="unreachable") as down:
+            RedisStorageQueue(closed_port, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+        shown += [str(bad.value), str(down.value), bad.value.url, down.value.url, repr(pickle.loads(pickle.dumps(down.value)))]
+        shown += [r.getMessage() for r in caplog.records]
+        assert any("retrying" in r.getMessage() for r in caplog.records)
+        assert "***" in repr(q)
+        assert not [s for s in shown if password in s]
+    finally:
+        q.delete()
+
+
+def test_trimming_keeps_undelivered_and_pending(redis_server):
+    stream = _stream()
+    q = RedisStorageQueue(redis_server.url, stream)
+    other = RedisStorageQueue(redis_server.url, stream, group="evaluators")
+    raw = _raw(redis_server.url)
+    try:
+        other.stats()  # joins the stream first: its group is created from the start
+        for i in range(10):
+            q.put(FileStorage(f"/t/{i}.tsl"))
+        got = [q.get(timeout=5) for _ in range(5)]
+        q.ack(got[0][0], got[1][0])
+        assert q.trim() == 0 and raw.xlen(stream) == 10  # the evaluators read nothing yet
+        for _ in range(10):
+            t, _s = other.get(timeout=5)
+            other.ack(t)
+        q.trim()  # (acknowledging also trims, at most once a second per queue object)
+        assert raw.xlen(stream) == 8  # trainers: entry 2 is still pending
+        q.ack(*[t for t, _ in got[2:]])
+        assert q.trim() == 3 and raw.xlen(stream) == 5  # entries 5.. are undelivered to the trainers
+        q.close()
+        for t, _s in q:
+            q.ack(t)
+        assert raw.xlen(stream) == 0
+    finally:
+        raw.close()
+        q.delete()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_delivers_every_handle_once(redis_server, handles, method):
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    q = RedisStorageQueue(redis_server.url, _stream())
+    try:
+        for h in handles:
+            q.put(h)
+        q.close()
+        dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=2, multiprocessing_context=method)
+        ids = sorted(int(s["info"]["id"]) for s in dl)
+        del dl
+        assert ids == list(range(len(handles)))
+        s = q.stats()
+        assert (s["delivered"], s["acked"], s["duplicates"], s["pending"], s["failed"]) == (24, 24, 0, 0, 0)
+    finally:
+        q.delete()

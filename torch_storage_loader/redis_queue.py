@@ -1,0 +1,588 @@
+"""``RedisStorageQueue``: at-least-once delivery of storage handles across machines (Redis Streams)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue as _queue
+import secrets
+import socket
+import threading
+import time
+import urllib.parse
+from typing import Any, Callable, Iterator
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from . import _codec
+from .errors import HandleRecordError, RedisUnavailableError, UnregisteredStorageTypeError
+from .queue import ProducerDiedError
+from .storage import Storage
+
+__all__ = ["RedisSource", "RedisStorageQueue", "redact_url"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+FIELD = "h"  # the one field of a stream entry: the handle's JSON record
+POLL_S = 0.25  # longest blocking read, so that close() and dead producers are noticed
+TRIM_EVERY_S = 1.0
+MAX_OUTSTANDING = 65536
+
+# Delivery: read undelivered entries and count them, in one round trip (no BLOCK inside a script).
+_READ = """
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+if r then redis.call('HINCRBY', KEYS[2], 'delivered', #r[1][2]) end
+return r
+"""
+
+# Take over entries idle on any consumer for over ARGV[3] ms; forget consumers with nothing pending.
+_CLAIM = """
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+local n, d = #r[2], 0
+for _, e in ipairs(r[2]) do
+  if redis.call('SADD', KEYS[3], e[1]) == 1 then d = d + 1 end
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'claimed', n)
+  redis.call('HINCRBY', KEYS[2], 'delivered', n)
+end
+if d > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', d) end
+local lost = r[3] and #r[3] or 0
+if lost > 0 then redis.call('HINCRBY', KEYS[2], 'lost', lost) end
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local t = {}
+  for i = 1, #c, 2 do t[c[i]] = c[i + 1] end
+  if t['pending'] == 0 and t['idle'] > tonumber(ARGV[3]) and t['name'] ~= ARGV[2] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], t['name'])
+  end
+end
+return {r[1], r[2], lost}
+"""
+
+# Acknowledge; an entry acknowledged before counts once as a duplicate.
+_ACK = """
+local acked, dups = 0, 0
+for i = 3, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then acked = acked + 1
+  elseif redis.call('SADD', KEYS[3], ARGV[i]) == 1 then dups = dups + 1 end
+end
+if acked > 0 then redis.call('HINCRBY', KEYS[2], 'acked', acked) end
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
+if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[2], 'failed', #ARGV - 2) end
+return {acked, dups}
+"""
+
+# Trim below the oldest entry any group still needs: its oldest pending one, or its first undelivered.
+_TRIM = """
+local function less(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok or #groups == 0 then return 0 end
+local keep = nil
+for _, g in ipairs(groups) do
+  local t = {}
+  for i = 1, #g, 2 do t[g[i]] = g[i + 1] end
+  local lm, ls = string.match(t['last-delivered-id'], '(%d+)-(%d+)')
+  local cand = lm .. '-' .. string.format('%d', tonumber(ls) + 1)
+  local p = redis.call('XPENDING', KEYS[1], t['name'])
+  if p[1] > 0 and less(p[2], cand) then cand = p[2] end
+  if keep == nil or less(cand, keep) then keep = cand end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', keep)
+"""
+
+# Producers registered with producer() whose heartbeat key expired.
+_DEAD = """
+local dead = {}
+for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if redis.call('EXISTS', KEYS[2] .. id) == 0 then table.insert(dead, id) end
+end
+return dead
+"""
+
+# Forget this consumer if nothing is pending on it (pending entries would be dropped with it).
+_RETIRE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<unparsable redis URL>"
+
+
+def _decode_id(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisStorageQueue:
+    """Handles flow from producers on any machine to consumers on any machine, at least once.
+
+    Built on a Redis stream ``stream`` read by the consumer group ``group`` (created on first use,
+    from the start of the stream). ``put(storage)`` appends a handle as a JSON record (an
+    allow-listed ``Storage`` type, see ``register_storage_type``; nothing is ever unpickled).
+    Each consumer (a process, or a ``RedisStorageQueue`` object within one) reads under a name of
+    its own; ``get()`` returns ``(token, storage)`` and ``ack(token)`` acknowledges it, from any
+    process. An entry not acknowledged ``claim_after`` seconds after its delivery is claimed by
+    another consumer (its reader is taken for dead) and delivered again: acknowledge within
+    ``claim_after``, and expect a redelivered handle now and then (``stats()`` counts them).
+
+    ``close()`` ends the stream: a consumer stops (``get`` returns ``None``) once every entry put
+    before it was delivered and nothing is pending on another consumer (it claims what a dead one
+    held). A closed stream stays closed; use a new stream name per run, or ``delete()``. Producers
+    that run ``with queue.producer():`` keep a heartbeat key alive; a consumer that finds the stream
+    empty while a registered producer's heartbeat expired (``producer_timeout``) raises
+    ``ProducerDiedError``.
+
+    Trimming: acknowledging trims the stream (at most once a second per process, and when a consumer
+    stops) below the oldest entry some group still needs, its oldest pending entry or its next
+    undelivered one (``XTRIM MINID``), so an undelivered or unacknowledged entry is never dropped,
+    and memory holds only those. There is no length cap: a stream nobody reads grows.
+
+    Connection loss is retried with back-off for ``retry_for`` seconds, then raises
+    ``RedisUnavailableError`` naming the URL without its password (``rediss://`` and passwords
+    come from the URL; they are never logged or shown). A ``put`` retried after a lost reply may
+    append the handle twice. The queue pickles as its URL and options; each process connects on
+    first use.
+    """
+
+    def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,
+                 producer_timeout: float = 10.0, retry_for: float = 5.0, prefetch: int = 1,
+                 allow_pickle: bool = False) -> None:
+        if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}")
+        if not stream or not isinstance(stream, str):
+            raise ValueError(f"{stream=} must be a non-empty string")
+        if not group or not isinstance(group, str):
+            raise ValueError(f"{group=} must be a non-empty string")
+        if not claim_after > 0:
+            raise ValueError(f"{claim_after=} must be > 0")
+        if not producer_timeout > 0:
+            raise ValueError(f"{producer_timeout=} must be > 0")
+        if not retry_for >= 0:
+            raise ValueError(f"{retry_for=} must be >= 0")
+        if not (isinstance(prefetch, int) and prefetch >= 1):
+            raise ValueError(f"{prefetch=} must be an int >= 1")
+        self._url, self.stream, self.group = url, stream, group
+        self.claim_after, self.producer_timeout, self.retry_for = float(claim_after), float(producer_timeout), float(retry_for)
+        self.prefetch, self.allow_pickle = prefetch, allow_pickle
+        base = f"tsl:{stream}"
+        self._k_closed, self._k_producers, self._k_heartbeat = f"{base}:closed", f"{base}:producers", f"{base}:hb:"
+        self._k_stats, self._k_dups = f"{base}:{group}:stats", f"{base}:{group}:dups"
+        self._reset()
+
+    def _reset(self) -> None:
+        """Per-process state: made on first use in each process (and after a fork)."""
+        self._pid = os.getpid()
+        self._client: redis.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._buffer: collections.deque = collections.deque()  # (token, storage | exception) read, not yet handed out
+        self._outstanding: collections.OrderedDict = collections.OrderedDict()  # handed out here, not acked here
+        self._closed = False
+        self._group_ready = False
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+        self._next_trim = 0.0
+
+    # -- pickling, repr -------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        return {"url": self._url, "stream": self.stream, "group": self.group, "claim_after": self.claim_after,
+                "producer_timeout": self.producer_timeout, "retry_for": self.retry_for,
+                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle}
+
+    def __setstate__(self, state: dict) -> None:
+        url, stream = state.pop("url"), state.pop("stream")
+        self.__init__(url, stream, **state)
+
+    def __repr__(self) -> str:
+        return (f"RedisStorageQueue({self.url!r}, {self.stream!r}, group={self.group!r}, "
+                f"claim_after={self.claim_after})")
+
+    @property
+    def url(self) -> str:
+        """The URL without its password."""
+        return redact_url(self._url)
+
+    # -- connection and retries -----------------------------------------------------------------
+
+    def _conn(self) -> redis.Redis:
+        if self._pid != os.getpid():
+            self._reset()  # forked: never share the parent's sockets or consumer name
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    block_ms = int(POLL_S * 1000)
+                    client = redis.Redis.from_url(self._url, socket_connect_timeout=2.0,
+                                                  socket_timeout=5.0 + block_ms / 1000,
+                                                  retry=Retry(NoBackoff(), 0), decode_responses=False)
+                    self._scripts = {name: client.register_script(src) for name, src in
+                                     (("read", _READ), ("claim", _CLAIM), ("ack", _ACK), ("trim", _TRIM),
+                                      ("dead", _DEAD), ("retire", _RETIRE))}
+                    self._client = client
+        return self._client
+
+    def _call(self, fn: Callable[[redis.Redis], Any], what: str) -> Any:
+        """Run ``fn(client)``, retrying lost connections for ``retry_for`` seconds."""
+        deadline = time.monotonic() + self.retry_for
+        delay, tries = 0.05, 0
+        while True:
+            tries += 1
+            try:
+                client = self._conn()
+                if not self._group_ready:
+                    self._ensure_group(client)
+                return fn(client)
+            except redis.AuthenticationError as exc:
+                raise RedisUnavailableError(
+                    f"Redis at {self.url} refused the credentials in the URL while trying to {what} "
+                    f"({type(exc).__name__}: {self._scrub(exc)}); check the user and password in the URL",
+                    url=self.url) from None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RedisUnavailableError(
+                        f"Redis at {self.url} is unreachable: could not {what} in {tries} tries over "
+                        f"{self.retry_for:g} s ({type(exc).__name__}: {self._scrub(exc)})", url=self.url) from None
+                logger.warning("Redis at %s: %s while trying to %s; retrying in %.2f s", self.url,
+                               type(exc).__name__, what, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                self._group_ready = False  # the server restarted without our group: create it again
+
+    def _scrub(self, exc: BaseException) -> str:
+        text = str(exc)
+        password = urllib.parse.urlsplit(self._url).password
+        return text.replace(password, "***") if password else text
+
+    def _ensure_group(self, client: redis.Redis) -> None:
+        try:
+            client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _keys(self) -> list[str]:
+        return [self.stream, self._k_stats, self._k_dups]
+
+    # -- producers ------------------------------------------------------------------------------
+
+    def put(self, storage: Storage, block: bool = True, timeout: float | None = None) -> str:
+        """Append a handle; returns its entry id. (``block`` and ``timeout``: as ``StorageQueue``; never blocks.)"""
+        if not isinstance(storage, Storage):
+            raise TypeError(f"RedisStorageQueue holds Storage handles, got {type(storage).__name__}")
+        record = _codec.encode(storage)
+        return _decode_id(self._call(lambda c: c.xadd(self.stream, {FIELD: record}), "append a handle"))
+
+    def close(self) -> None:
+        """End the stream for every consumer, once every handle put before it is delivered."""
+        self._call(lambda c: c.set(self._k_closed, b"1"), "close the stream")
+
+    @contextlib.contextmanager
+    def producer(self) -> Iterator[RedisStorageQueue]:
+        """Register this process as a producer for as long as the block runs (see the class doc)."""
+        name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        ttl_ms = int(self.producer_timeout * 1000)
+        key = self._k_heartbeat + name
+
+        def beat(c: redis.Redis) -> None:
+            pipe = c.pipeline(transaction=False)
+            pipe.set(key, b"1", px=ttl_ms)
+            pipe.hset(self._k_producers, name, f"{socket.gethostname()} pid {os.getpid()}")
+            pipe.execute()
+
+        self._call(beat, "register a producer")
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self.producer_timeout / 4):
+                try:
+                    self._call(lambda c: c.set(key, b"1", px=ttl_ms), "refresh a producer heartbeat")
+                except Exception as exc:  # keep beating: the next try may reach Redis again
+                    logger.warning("producer heartbeat for %s failed: %s", self.stream, exc)
+
+        thread = threading.Thread(target=loop, name="tsl-redis-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+
+            def leave(c: redis.Redis) -> None:
+                pipe = c.pipeline(transaction=False)
+                pipe.hdel(self._k_producers, name)
+                pipe.delete(key)
+                pipe.execute()
+
+            self._call(leave, "unregister a producer")
+
+    def dead_producers(self) -> list[str]:
+        """Producers registered with ``producer()`` whose heartbeat expired (``host-pid-tag`` names)."""
+        return [_decode_id(x) for x in self._call(
+            lambda c: self._scripts["dead"](keys=[self._k_producers, self._k_heartbeat]), "check producers")]
+
+    def forget_dead_producers(self) -> list[str]:
+        """Unregister the dead producers (after restarting them, say); returns their names."""
+        dead = self.dead_producers()
+        if dead:
+            self._call(lambda c: c.hdel(self._k_producers, *dead), "unregister dead producers")
+        return dead
+
+    # -- consumers ------------------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None) -> tuple[str, Storage] | None:
+        """The next ``(token, storage)``, or ``None`` once the stream is closed and drained.
+
+        Raises ``queue.Empty`` after ``timeout`` seconds, ``ProducerDiedError`` when the stream is
+        empty and a registered producer died, and ``HandleRecordError`` /
+        ``UnregisteredStorageTypeError`` for an entry that is not a handle record (acknowledged, and
+        counted as ``refused``: it is never delivered again).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._buffer:
+                return self._hand_out()
+            now = time.monotonic()
+            if now >= self._next_claim:
+                self._next_claim = now + max(0.05, self.claim_after / 4)
+                if self._claim():
+                    continue
+            if self._read(block_ms=None):
+                continue
+            # Seen closed, then read nothing: every entry put before close() was delivered.
+            closed = self._closed or bool(self._call(lambda c: c.exists(self._k_closed), "check the stream"))
+            if closed and not self._closed:
+                self._closed = True
+                continue
+            if closed:
+                if self._drained():
+                    self._finish()
+                    return None
+                wait = 0.05
+            else:
+                dead = self.dead_producers()
+                if dead:
+                    raise ProducerDiedError(
+                        f"producer(s) {dead} of Redis stream {self.stream!r} stopped their heartbeat without "
+                        "leaving queue.producer(); what they did not put is lost. Restart them and call "
+                        "queue.forget_dead_producers(), or close() the stream to end it", producers=dead)
+                wait = POLL_S
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _queue.Empty
+                wait = min(wait, left)
+            if closed:
+                time.sleep(wait)
+            elif self._read(block_ms=max(1, int(wait * 1000))):
+                continue
+
+    def __iter__(self) -> Iterator[tuple[str, Storage]]:
+        while (item := self.get()) is not None:
+            yield item
+
+    def ack(self, *tokens: str) -> int:
+        """Acknowledge delivered entries by token, from any process; returns how many were pending."""
+        return self._ack(tokens, failed=False)
+
+    def _ack(self, tokens: tuple | list, failed: bool) -> int:
+        if not tokens:
+            return 0
+        for t in tokens:
+            self._outstanding.pop(t, None)
+        args = [self.group, "1" if failed else "0", *tokens]
+        acked, _ = self._call(lambda c: self._scripts["ack"](keys=self._keys(), args=args), "acknowledge")
+        if time.monotonic() >= self._next_trim:
+            self.trim()
+        return int(acked)
+
+    def trim(self) -> int:
+        """Drop entries no group needs any more (see the class doc); returns how many."""
+        self._next_trim = time.monotonic() + TRIM_EVERY_S
+        return int(self._call(lambda c: self._scripts["trim"](keys=[self.stream]), "trim the stream"))
+
+    def _hand_out(self) -> tuple[str, Storage]:
+        token, item = self._buffer.popleft()
+        if isinstance(item, Exception):
+            def refuse(c: redis.Redis) -> None:
+                pipe = c.pipeline(transaction=False)
+                pipe.xack(self.stream, self.group, token)
+                pipe.hincrby(self._k_stats, "refused", 1)
+                pipe.execute()
+
+            self._call(refuse, "acknowledge a refused entry")
+            raise item
+        self._outstanding[token] = None
+        while len(self._outstanding) > MAX_OUTSTANDING:
+            self._outstanding.popitem(last=False)
+        return token, item
+
+    def _take(self, entries: list) -> int:
+        for entry_id, fields in entries:
+            token = _decode_id(entry_id)
+            if fields is None:  # deleted while pending
+                continue
+            if isinstance(fields, list):  # a script's reply: [field, value, ...]
+                fields = dict(zip(fields[::2], fields[1::2]))
+            try:
+                raw = fields.get(FIELD.encode())
+                if raw is None or len(fields) != 1:
+                    raise HandleRecordError(
+                        f"stream entry {token} has fields {sorted(map(_decode_id, fields))[:8]}, not one {FIELD!r} "
+                        "field holding a handle record: something other than RedisStorageQueue.put writes "
+                        f"into stream {self.stream!r}")
+                item: Any = _codec.decode(raw, allow_pickle=self.allow_pickle)
+            except (HandleRecordError, UnregisteredStorageTypeError) as exc:
+                item = exc
+            self._buffer.append((token, item))
+        return len(entries)
+
+    def _read(self, block_ms: int | None) -> int:
+        if block_ms is None:
+            reply = self._call(lambda c: self._scripts["read"](
+                keys=[self.stream, self._k_stats], args=[self.group, self.consumer, self.prefetch]), "read")
+        else:
+            reply = self._call(lambda c: c.xreadgroup(self.group, self.consumer, {self.stream: ">"},
+                                                      count=self.prefetch, block=block_ms), "read")
+        if not reply:
+            return 0
+        entries = reply[0][1]
+        if block_ms is not None and entries:
+            self._call(lambda c: c.hincrby(self._k_stats, "delivered", len(entries)), "count deliveries")
+        return self._take(entries)
+
+    def _claim(self) -> int:
+        min_idle = int(self.claim_after * 1000)
+        cursor, entries, lost = self._call(lambda c: self._scripts["claim"](
+            keys=self._keys(), args=[self.group, self.consumer, min_idle, self._claim_cursor, 100]), "claim")
+        self._claim_cursor = _decode_id(cursor)
+        if lost:
+            logger.warning("Redis stream %s: %d pending entries were deleted before anyone acknowledged them "
+                           "(trimmed by something other than this queue)", self.stream, lost)
+        if entries:
+            logger.info("Redis stream %s: claimed %d entries idle for over %g s", self.stream, len(entries),
+                        self.claim_after)
+        return self._take(entries)
+
+    def _drained(self) -> bool:
+        """Nothing left for this consumer: nothing pending except what this process handed out."""
+        def look(c: redis.Redis) -> tuple:
+            summary = c.xpending(self.stream, self.group)
+            mine = c.xpending_range(self.stream, self.group, "-", "+", 1000, consumername=self.consumer)
+            return summary, mine
+
+        summary, mine = self._call(look, "check pending entries")
+        if not summary["pending"]:
+            return True
+        ours = [_decode_id(m["message_id"]) for m in mine]
+        if summary["pending"] != len(ours):
+            return False  # pending on another consumer: wait for its ack, or claim it after claim_after
+        return all(t in self._outstanding for t in ours)  # the rest were read but their reply was lost
+
+    def _finish(self) -> None:
+        self.trim()
+        self._call(lambda c: self._scripts["retire"](keys=[self.stream], args=[self.group, self.consumer]),
+                   "retire the consumer")
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counts for the group, across all processes and machines.
+
+        ``delivered`` (handed out, redeliveries included), ``claimed`` (taken over from a consumer
+        idle for ``claim_after``), ``acked``, ``duplicates`` (entries delivered or acknowledged more
+        than once), ``failed`` (acknowledged after a failed load), ``refused`` (entries that were not
+        handle records), ``lost`` (pending entries deleted by someone else); and now: ``length``
+        (entries in the stream), ``pending`` (delivered, not acknowledged), ``undelivered``.
+        """
+        def look(c: redis.Redis) -> tuple:
+            pipe = c.pipeline(transaction=False)
+            pipe.hgetall(self._k_stats)
+            pipe.xlen(self.stream)
+            pipe.xinfo_groups(self.stream)
+            return pipe.execute()
+
+        counts, length, groups = self._call(look, "read stats")
+        out = {k: 0 for k in ("delivered", "claimed", "acked", "duplicates", "failed", "refused", "lost")}
+        out.update({_decode_id(k): int(v) for k, v in counts.items()})
+        mine = next((g for g in groups if _decode_id(g["name"]) == self.group), {})
+        out["length"] = int(length)
+        out["pending"] = int(mine.get("pending", 0))
+        lag = mine.get("lag")
+        out["undelivered"] = int(lag) if lag is not None else 0
+        return out
+
+    def delete(self) -> None:
+        """Delete the stream and every key of this queue (all groups' counts included)."""
+        def drop(c: redis.Redis) -> None:
+            keys = list(c.scan_iter(match=f"tsl:{self.stream}:*", count=1000))
+            c.delete(self.stream, *keys)
+
+        self._call(drop, "delete the stream")
+        self._group_ready = False
+        self._closed = False
+
+    def as_source(self) -> RedisSource:
+        return RedisSource(self)
+
+
+class RedisSource:
+    """``StorageDataset``'s view of a ``RedisStorageQueue``: handles in, acknowledgements out.
+
+    ``done(storage_or_token, ok)`` acknowledges an entry once its sample was loaded (or failed to
+    load: a file that cannot be read fails everywhere, so it is acknowledged too and counted as
+    ``failed``). Tokens of handles yielded and not yet done are kept by the handle's identity.
+    """
+
+    finite = False
+
+    def __init__(self, queue: RedisStorageQueue) -> None:
+        self.queue = queue
+        self._tokens: dict[int, str] = {}
+
+    def __getstate__(self) -> dict:
+        return {"queue": self.queue}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["queue"])
+
+    def iterate(self, shard: int, num_shards: int, skip: int = 0) -> Iterator[Storage]:
+        for token, storage in self.queue:
+            self._tokens[id(storage)] = token
+            yield storage
+
+    def token_of(self, storage: Storage) -> str | None:
+        return self._tokens.get(id(storage))
+
+    def done(self, storage_or_token: Storage | str, ok: bool) -> None:
+        token = storage_or_token if isinstance(storage_or_token, str) else self._tokens.pop(id(storage_or_token), None)
+        if token is not None:
+            self.queue._ack([token], failed=not ok)

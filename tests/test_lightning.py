@@ -23,8 +23,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*consider setting `persistent_workers=True`.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*restarting mid-epoch.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
-    # Lightning warns whenever an IterableDataset has a length; ours splits across workers exactly.
-    pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined:UserWarning"),
 ]
 
 

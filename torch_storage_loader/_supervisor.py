@@ -361,7 +361,8 @@ class WorkerPool:
         if isinstance(msg, Failed):
             return Failed(msg.request_id, unpack_exception(msg.error, msg.traceback))
         try:
-            return Loaded(msg.request_id, msg.info, loads_with_fds(msg.payload, fds))
+            # Without descriptors the payload holds no persistent ids: plain loads is cheaper.
+            return Loaded(msg.request_id, msg.info, loads_with_fds(msg.payload, fds) if fds else pickle.loads(msg.payload))
         except Exception as exc:  # noqa: BLE001 - that request's error, not the worker's death
             return Failed(msg.request_id, exc)
 

@@ -7,7 +7,9 @@ core library does not import Lightning.
 from __future__ import annotations
 
 import collections
+import re
 import time
+import warnings
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -18,6 +20,15 @@ from ._slots import retire_rings
 from .dataset import StorageDataset
 
 __all__ = ["StorageDataModule", "StorageStatsCallback"]
+
+# Lightning (lightning.pytorch.utilities.data.has_len_all_ranks) warns on every fit that an
+# IterableDataset with a length "could be inaccurate if each worker is not configured
+# independently". A StorageDataset splits its handles across DataLoader workers and ranks itself
+# and its length is exact per rank (padded or dropped evenly), so for our loaders that warning is
+# a false alarm. It is ignored by exact message, category and emitting module, only between this
+# data module's setup and teardown (when Lightning checks the loaders), see _quiet_len_warning.
+_LEN_WARNING = re.escape("Your `IterableDataset` has `__len__` defined.")
+_LEN_WARNING_MODULE = re.escape("lightning.pytorch.utilities.data") + r"\Z"
 
 
 class _ConsumedStateLoader(StatefulDataLoader):
@@ -64,7 +75,7 @@ class StorageDataModule(pl.LightningDataModule):
 
     def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
                  num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
-                 pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable | None = None,
+                 pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
                  multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()
@@ -110,7 +121,21 @@ class StorageDataModule(pl.LightningDataModule):
                               max_rings_per_worker=self.max_rings_per_worker,
                               on_error=self.on_error, shuffle=shuffle, seed=self.seed)
 
+    def _quiet_len_warning(self, on: bool) -> None:
+        entry: Any = getattr(self, "_len_filter", None)
+        if on and entry is None:
+            warnings.filterwarnings("ignore", message=_LEN_WARNING, category=UserWarning, module=_LEN_WARNING_MODULE)
+            self._len_filter: Any = warnings.filters[0]
+        elif not on and entry is not None:
+            self._len_filter = None
+            try:
+                warnings.filters.remove(entry)  # type: ignore[attr-defined]
+            except ValueError:
+                return  # the filters were restored meanwhile (a catch_warnings block ended)
+            getattr(warnings, "_filters_mutated", lambda: None)()
+
     def setup(self, stage: str | None = None) -> None:
+        self._quiet_len_warning(True)
         if stage in ("fit", None) and self.train_dataset is None:
             self.train_dataset = self._dataset(self.source, self.shuffle)
         if stage in ("fit", "validate", None) and self.val_source is not None and self.val_dataset is None:
@@ -156,6 +181,7 @@ class StorageDataModule(pl.LightningDataModule):
         self._loaders.clear()
         self._train_loader = None
         retire_rings(dead_only=True)
+        self._quiet_len_warning(False)
 
     def state_dict(self) -> dict[str, Any]:
         stats = self.train_dataset.stats() if self.train_dataset is not None else {}
@@ -164,13 +190,14 @@ class StorageDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loader progress is restored by Lightning from the StatefulDataLoader's own state."""
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_loaders"], state["_train_loader"] = [], None
+        state["_len_filter"] = None  # this process's warning filter
         state.pop("val_dataloader", None)
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._hide_val_if_unused()
 
@@ -196,7 +223,8 @@ class StorageStatsCallback(pl.Callback):
         self.wait_total = 0.0
         self.batches = self.bytes = 0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         now = time.perf_counter()
         wait = now - self._batch_end if self._batch_end is not None else 0.0
         self.wait_total += wait
@@ -215,7 +243,8 @@ class StorageStatsCallback(pl.Callback):
             "loader/fallbacks": float(stats.get("fallbacks", 0)),
         }, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1, sync_dist=False)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._batch_end = time.perf_counter()
 
     @property

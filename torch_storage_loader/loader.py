@@ -63,9 +63,9 @@ class LoaderStats:
 class _Request:
     __slots__ = ("storage", "future", "callback", "attempts", "enqueued", "waited")
 
-    def __init__(self, storage: Storage, callback: Callable | None) -> None:
+    def __init__(self, storage: Storage, callback: Callable[[Any], None] | None) -> None:
         self.storage = storage
-        self.future: Future = Future()
+        self.future: Future[Any] = Future()
         self.callback = callback
         self.attempts = 0
         self.enqueued = time.monotonic()
@@ -179,7 +179,7 @@ class StorageLoader(ABC):
         """DI-engine's older name for ``save``."""
         return self.save(obj)
 
-    def load(self, storage: Storage, callback: Callable[[Any], None]) -> Future:
+    def load(self, storage: Storage, callback: Callable[[Any], None]) -> Future[None]:
         """Load ``storage`` in a worker, then call ``callback(obj)`` on the receiving thread.
 
         Returns at once. The returned ``Future`` resolves to ``None`` once the callback has run
@@ -189,7 +189,7 @@ class StorageLoader(ABC):
         """
         return self._submit(storage, callback)
 
-    def load_async(self, storage: Storage) -> Future:
+    def load_async(self, storage: Storage) -> Future[Any]:
         """Load ``storage`` in a worker; the ``Future`` gets the sample or the error."""
         return self._submit(storage, None)
 
@@ -253,7 +253,7 @@ class StorageLoader(ABC):
     def _outstanding_locked(self) -> int:
         return len(self._pending) + len(self._inflight)
 
-    def _submit(self, storage: Storage, callback: Callable | None) -> Future:
+    def _submit(self, storage: Storage, callback: Callable[[Any], None] | None) -> Future[Any]:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage must be a Storage handle, got {type(storage).__name__}")
         req = _Request(storage, callback)

@@ -90,7 +90,7 @@ class StorageQueue:
             yield item
 
     @contextlib.contextmanager
-    def producer(self):
+    def producer(self) -> Iterator[StorageQueue]:
         """Mark this process as a producer for as long as the block runs (see the class doc)."""
         pid = os.getpid()
         with self._producers.get_lock():

@@ -23,7 +23,7 @@ class Storage(ABC):
         self.path = path
 
     @abstractmethod
-    def save(self, data: Any) -> None: ...
+    def save(self, data: Any) -> Any: ...  # FileStorage returns the bytes written
 
     @abstractmethod
     def load(self) -> Any: ...

@@ -119,24 +119,30 @@ def test_soak_random_sigkills_lose_and_corrupt_nothing(tmp_path):
         try:
             inflight = collections.deque()
             submitted = 0
+
+            def settle() -> None:
+                nonlocal delivered
+                j, future = inflight.popleft()
+                exc = future.exception(timeout=120)  # raises TimeoutError if the load was lost
+                if isinstance(exc, WorkerDiedError):
+                    failures.append(exc)
+                elif exc is not None:
+                    others.append("".join(traceback.format_exception(exc)))
+                else:
+                    obj = future.result()
+                    assert_same(samples[j], obj)
+                    kept.append((j, obj))
+                    delivered += 1
+
             # At least `loads` loads and 20 kills: a quiet machine gets through 2,000 loads in 2 s.
             while submitted < loads or (kills[0] < 20 and submitted < 20 * loads):
                 i = order[submitted % len(order)]
                 submitted += 1
                 inflight.append((i, loader.load_async(handles[i])))
-                last = submitted >= loads and (kills[0] >= 20 or submitted >= 20 * loads)
-                while len(inflight) > window or (last and inflight):
-                    j, future = inflight.popleft()
-                    exc = future.exception(timeout=120)  # raises TimeoutError if the load was lost
-                    if isinstance(exc, WorkerDiedError):
-                        failures.append(exc)
-                    elif exc is not None:
-                        others.append("".join(traceback.format_exception(exc)))
-                    else:
-                        obj = future.result()
-                        assert_same(samples[j], obj)
-                        kept.append((j, obj))
-                        delivered += 1
+                while len(inflight) > window:
+                    settle()
+            while inflight:
+                settle()
         finally:
             done.set()
             thread.join()

@@ -34,7 +34,7 @@ from ._format import Header, ReadOptions
 from ._shm import ShmSegment
 from .errors import ShmTransportError
 
-__all__ = ["BytesRef", "CTRL", "MAX_SLOTS", "OneOffRef", "SlotRef", "SlotRing", "mapped_ring_count", "page_round",
+__all__ = ["BytesRef", "CTRL", "MAX_SLOTS", "OneOffRef", "SlotRef", "SlotRing", "page_round",
            "retire_rings"]
 
 PAGE = mmap.PAGESIZE
@@ -248,11 +248,6 @@ def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> No
             if dead_only and _pid_alive(ring.owner_pid):
                 continue
             reg.forget(ring)
-
-
-def mapped_ring_count() -> int:
-    with _registry.lock:
-        return len(_registry.rings)
 
 
 def _pid_alive(pid: int) -> bool:

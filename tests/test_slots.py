@@ -213,17 +213,22 @@ def test_dataset_side_batching_ring_lifetime(num_workers):
             handles = save_all(d, sizes)
             ds = StorageDataset(handles, batch_size=k, collate_fn=None if stack else pad_collate,
                                 slots_per_worker=2, max_rings_per_worker=2)
-            kept, seen = [], []
-            for batch in _dataloader(ds, num_workers, batch_size=None):
-                seen += check(batch, sizes)
-                if keep:
-                    kept.append(batch)
-                del batch
-            assert sorted(seen) == list(range(len(sizes)))
-            for batch in kept:
-                check(batch, sizes)
+            drain(_dataloader(ds, num_workers, batch_size=None), lambda b: check(b, sizes), keep, len(sizes))
 
     run()
+
+
+def drain(batches, check, keep: bool, n: int) -> None:
+    """Check every batch as it comes (keeping them all, or dropping each), then every kept one again."""
+    kept, seen = [], []
+    for batch in batches:
+        seen += check(batch)
+        if keep:
+            kept.append(batch)
+        del batch
+    assert sorted(seen) == list(range(n))
+    for batch in kept:
+        check(batch)
 
 
 # ------------------------------------------------------------------ DataLoader-side batching
@@ -252,16 +257,9 @@ def test_dataloader_side_batching_ring_lifetime(num_workers):
             for i, nb in enumerate(sizes_b):
                 handles.append(FileStorage(f"{d}/{i:05d}.tsl"))
                 handles[-1].save(bytes_sample(i, nb))
-            kept, seen = [], []
             ds = StorageDataset(handles, slots_per_worker=2, max_rings_per_worker=2)
-            for batch in _dataloader(ds, num_workers, batch_size=k):
-                seen += check_default_collated(batch, sizes_b)
-                if keep:
-                    kept.append(batch)
-                del batch
-            assert sorted(seen) == list(range(len(sizes_b)))
-            for batch in kept:
-                check_default_collated(batch, sizes_b)
+            drain(_dataloader(ds, num_workers, batch_size=k), lambda b: check_default_collated(b, sizes_b), keep,
+                  len(sizes_b))
 
     run()
 

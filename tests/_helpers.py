@@ -110,6 +110,18 @@ def consume_directory(directory: str, out) -> None:
     out.put(ids)
 
 
+def consume_and_block(directory: str, ready) -> None:
+    """A trainer process that takes five samples of a directory source, then hangs (to be killed)."""
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    it = iter(DataLoader(StorageDataset(directory), batch_size=None, num_workers=2))
+    for _ in range(5):
+        next(it)
+    ready.set()
+    time.sleep(600)
+
+
 def ddp_rank(rank: int, world: int, init_file: str, handles, out) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader

@@ -31,10 +31,11 @@ def _raw(url: str):
 
 
 def _drain(q: RedisStorageQueue, out: list, ack: bool = True) -> None:
-    for token, storage in q:
-        out.append(storage.path)
-        if ack:
-            q.ack(token)
+    with q:
+        for token, storage in q:
+            out.append(storage.path)
+            if ack:
+                q.ack(token)
 
 
 def _join(procs, timeout: float = 60.0) -> None:
@@ -97,6 +98,38 @@ def test_put_get_ack_roundtrip(redis_server, handles):
         assert s["length"] == 0, "acknowledged entries are trimmed"
     finally:
         q.delete()
+
+
+def _sockets_to(port: int) -> int:
+    """This process's TCP connections to 127.0.0.1:port."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    with open("/proc/self/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(int(r[2].split(":")[1], 16) == port and r[9] in inodes for r in rows)
+
+
+def test_disconnect_closes_sockets_and_the_queue_reconnects(redis_server):
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    with RedisStorageQueue(redis_server.url, _stream()) as q:
+        q.put(FileStorage("/d/1.tsl"))
+        assert _sockets_to(port) == 1
+        q.disconnect()
+        assert _sockets_to(port) == 0
+        token, storage = q.get(timeout=5)  # reconnects
+        assert storage.path == "/d/1.tsl" and q.ack(token) == 1 and _sockets_to(port) == 1
+        q.delete()
+    assert _sockets_to(port) == 0, "leaving the with block closes the connection"
+    q = RedisStorageQueue(redis_server.url, _stream())
+    q.stats()
+    del q
+    assert _sockets_to(port) == 0, "a dropped queue closes its connection"
 
 
 def test_validation_and_pickle(redis_server):

@@ -77,22 +77,23 @@ class ListSource:
         groups = [mine[i:i + batch] for i in range(0, min(cut, len(mine)), batch)]
         return groups[worker::num_workers]
 
-    def done(self, storage: Storage, ok: bool) -> None:
-        pass
-
-
 class QueueSource:
-    """A ``StorageQueue``, or a ``queue.Queue`` / multiprocessing queue ending at a ``None``."""
+    """A ``StorageQueue``, or a ``queue.Queue`` / multiprocessing queue ending at a ``None``.
+
+    Handles a DataLoader took but did not deliver are put back (after the end marker, which every
+    consumer looks past: see ``StorageQueue.get``).
+    """
 
     finite = False
 
     def __init__(self, q: Any) -> None:
         self.queue = q
 
-    def iterate(self, shard: int, num_shards: int, skip: int = 0) -> Iterator[Storage]:
+    def iterate(self, shard: int, num_shards: int, skip: int = 0, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
         q = self.queue
         if isinstance(q, StorageQueue):
-            yield from q
+            for storage in q:
+                yield storage, storage
             return
         if isinstance(q, _queue.Queue) and _in_child_process():
             raise TypeError("a queue.Queue is not shared with DataLoader worker processes; use a "
@@ -100,26 +101,40 @@ class QueueSource:
         while True:
             item = q.get()
             if item is None:
+                try:
+                    item = q.get(timeout=0.05)  # a handle given back after the end
+                except _queue.Empty:
+                    item = None
                 q.put(None)  # every consumer must see the end
-                return
+                if item is None:
+                    return
             if not isinstance(item, Storage):
                 raise TypeError(f"queue yielded a {type(item).__name__}, not a Storage handle or None")
-            yield item
+            yield item, item
 
-    def done(self, storage: Storage, ok: bool) -> None:
+    def ack(self, tokens: list) -> None:
         pass
+
+    def fail(self, tokens: list) -> None:
+        pass
+
+    def give_back(self, tokens: list) -> None:
+        for storage in tokens:
+            self.queue.put(storage)
 
 
 class DirectorySource:
     """Files a ``FileStorageLoader`` (or ``FileStorage.save``) writes into ``path``, as they land.
 
-    Each file is claimed by exactly one consumer, by renaming it atomically (processes on other
-    machines sharing the filesystem included); claimed files are deleted once loaded
-    (``delete_after_load=False`` keeps them as ``*.loaded``), and files that fail are kept as
-    ``*.failed``. Producers end the stream with ``end_directory_stream(path)``: consumers stop once
-    the marker exists and no unclaimed file is left. Producers should save with
-    ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted
-    before a consumer claims it.
+    Each file is claimed by exactly one consumer, by renaming it atomically to
+    ``NAME.claimed-HOST-TRAINER-PID`` (processes on other machines sharing the filesystem
+    included). A claimed file is deleted once the trainer received its sample
+    (``delete_after_load=False`` keeps it as ``*.loaded``); a file that fails to load is kept as
+    ``*.failed``; a claim not delivered when a DataLoader stops is renamed back, and so is a claim
+    whose process died on this host (found by any consumer that runs out of files). Producers end
+    the stream with ``end_directory_stream(path)``: consumers stop once the marker exists and no
+    file is unclaimed or claimed by another live trainer. Producers should save with
+    ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted before it is delivered.
     """
 
     finite = False
@@ -132,37 +147,107 @@ class DirectorySource:
         self.delete_after_load = delete_after_load
         self.poll_interval = poll_interval
 
-    def _unclaimed(self) -> list[str]:
+    def _names(self) -> list[str]:
         try:
-            names = os.listdir(self.path)
+            return sorted(os.listdir(self.path))
         except FileNotFoundError:
             return []
-        return sorted(n for n in names if n.endswith(SUFFIX) and not n.startswith("."))
 
-    def iterate(self, shard: int, num_shards: int, skip: int = 0) -> Iterator[Storage]:
-        tag = f".claimed-{socket.gethostname()}-{os.getpid()}"
+    def iterate(self, shard: int, num_shards: int, skip: int = 0, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+        host = socket.gethostname()
+        family = family or str(os.getpid())
+        tag = f"{CLAIM}{host}-{family}-{os.getpid()}"
         while True:
             ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))
-            names = self._unclaimed()
-            if not names:
-                if ended:
+            names = self._names()
+            unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".")]
+            if not unclaimed:
+                if self._reclaim_dead(names, host):
+                    continue
+                if ended and not self._claimed_by_others(names, host, family):
                     return
                 time.sleep(self.poll_interval)
                 continue
-            for name in names:
+            for name in unclaimed:
                 src = os.path.join(self.path, name)
                 try:
                     os.rename(src, src + tag)  # atomic: exactly one consumer wins each file
                 except FileNotFoundError:
                     continue
-                yield FileStorage(src + tag)
+                yield src + tag, FileStorage(src + tag)
 
-    def done(self, storage: Storage, ok: bool) -> None:
-        path = storage.path
-        if ok and self.delete_after_load:
-            os.remove(path)
-        else:
-            os.rename(path, path.rsplit(".claimed-", 1)[0] + (".loaded" if ok else ".failed"))
+    def _reclaim_dead(self, names: list[str], host: str) -> int:
+        """Rename back the claims of processes on this host that died; returns how many."""
+        n = 0
+        for name in names:
+            claim = _parse_claim(name)
+            if claim is None or claim[1] != host or _alive(claim[3]):
+                continue
+            try:
+                os.rename(os.path.join(self.path, name), os.path.join(self.path, claim[0]))
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    def _claimed_by_others(self, names: list[str], host: str, family: str) -> bool:
+        for name in names:
+            claim = _parse_claim(name)
+            if claim is not None and claim[2] != family and (claim[1] != host or _alive(claim[3])):
+                return True
+        return False
+
+    def ack(self, tokens: list) -> None:
+        for path in tokens:
+            try:
+                if self.delete_after_load:
+                    os.remove(path)
+                else:
+                    os.rename(path, path.rsplit(CLAIM, 1)[0] + ".loaded")
+            except FileNotFoundError:
+                pass  # reclaimed meanwhile as a dead process's: it will be delivered again
+
+    def fail(self, tokens: list) -> None:
+        for path in tokens:
+            try:
+                os.rename(path, path.rsplit(CLAIM, 1)[0] + ".failed")
+            except FileNotFoundError:
+                pass
+
+    def give_back(self, tokens: list) -> None:
+        for path in tokens:
+            try:
+                os.rename(path, path.rsplit(CLAIM, 1)[0])
+            except FileNotFoundError:
+                pass
+
+
+CLAIM = ".claimed-"
+
+
+def _parse_claim(name: str) -> tuple[str, str, str, int] | None:
+    """``NAME.claimed-HOST-FAMILY-PID`` -> (NAME, HOST, FAMILY, PID), or None."""
+    if CLAIM not in name:
+        return None
+    original, rest = name.rsplit(CLAIM, 1)
+    parts = rest.rsplit("-", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return original, parts[0], parts[1], int(parts[2])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def end_directory_stream(path: str | os.PathLike) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
+from . import _delivery
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._shm import default_shm_budget
@@ -86,6 +87,7 @@ def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
 
 # The extension point torch documents for default_collate: a collate function per element type.
 default_collate_fn_map[_Delivery] = _collate_deliveries
+_delivery.install()
 
 
 def _live_dist() -> tuple[int, int]:
@@ -165,7 +167,9 @@ class StorageDataset(IterableDataset):
         self._skipped = 0
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
-        self._materialize = False  # set per iteration: see _user_collates
+        self._materialize = False  # set per iteration: see _fetch_context
+        self._ledger: tuple[str, list] | None = None  # (id, a pipe per worker) while a DataLoader starts workers
+        self._writer: _delivery.LedgerWriter | None = None  # this worker's end of it
 
     # -------------------------------------------------------------------------- the protocol
     def _own(self) -> None:
@@ -184,7 +188,7 @@ class StorageDataset(IterableDataset):
     def __getstate__(self) -> dict:
         self._own()
         state = self.__dict__.copy()
-        state["_filler"], state["_filler_pid"] = None, 0
+        state["_filler"], state["_filler_pid"], state["_writer"] = None, 0, None
         if state["_dist"] is None:
             state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
         return state
@@ -269,7 +273,8 @@ class StorageDataset(IterableDataset):
         self._own()
         rank, world = self._dist if self._dist is not None else _live_dist()
         if not self.source.finite:
-            return self._iterate(self.source.iterate(rank * nw + wid, world * nw), nw if worker is not None else 0, None)
+            pairs = self.source.iterate(rank * nw + wid, world * nw, family=str(self._owner))
+            return self._iterate(pairs, nw if worker is not None else 0, None)
         # Decided here, not in the generator: StatefulDataLoader snapshots state_dict() right after iter().
         epoch, skip = self._next_epoch(nw if worker is not None else 0, wid)
         self._epoch, self._yielded = epoch, skip
@@ -278,10 +283,11 @@ class StorageDataset(IterableDataset):
         return self._iterate(iter(groups[skip:]), nw if worker is not None else 0, epoch)
 
     def _iterate(self, source: Iterator, num_workers: int, epoch: int | None) -> Iterator[Any]:
-        """Load what ``source`` gives: groups of handles (finite sources) or single handles (streams)."""
+        """Load what ``source`` gives: groups of handles (finite sources) or (token, handle) pairs (streams)."""
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
-        self._materialize = in_worker and _user_collates()
+        user_collates, per_item = _fetch_context() if in_worker else (False, 1)
+        self._materialize = user_collates
         if epoch is not None:
             for group in source:
                 self._yielded += 1  # counts the group even if it is skipped: resume continues after it
@@ -290,23 +296,64 @@ class StorageDataset(IterableDataset):
                     yield item
             self._epoch, self._yielded = epoch + 1, 0
             return
-        per_item = self.batch_size or 1
-        handles = source
+        yield from self._stream(filler, source, in_worker, per_item)
+
+    def _stream(self, filler: SlotFiller, pairs: Iterator, in_worker: bool, per_item: int) -> Iterator[Any]:
+        """A streaming source, at least once (see ``_delivery``): every handle taken is either
+        acknowledged once the trainer has its sample, failed, or given back."""
+        writer = self._writer_for() if in_worker else None
+        src, size = self.source, self.batch_size or 1
+        made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list = []
         try:
-            for storage in handles:
-                group.append(storage)
-                if len(group) == per_item:
-                    item = self._load(filler, group, in_worker)
-                    group = []
-                    if item is not _SKIP:
-                        yield item
+            for token, storage in pairs:
+                group.append((token, storage))
+                if writer is not None:
+                    writer.took(made // per_item, [token])
+                if len(group) < size:
+                    continue
+                item = self._load_stream(filler, group, in_worker, writer, made // per_item)
+                group = []
+                if item is not _SKIP:
+                    made += 1
+                    yield item
             if group and not self.drop_last:
-                item = self._load(filler, group, in_worker)
+                item = self._load_stream(filler, group, in_worker, writer, made // per_item)
+                group = []
                 if item is not _SKIP:
                     yield item
         finally:
-            handles.close()
+            pairs.close()
+            if group and writer is None:
+                src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
+
+    def _load_stream(self, filler: SlotFiller, group: list, in_worker: bool,
+                     writer: _delivery.LedgerWriter | None, item: int) -> Any:
+        tokens = [t for t, _ in group]
+        try:
+            out = self._load(filler, [s for _, s in group], in_worker)
+        except BaseException:
+            self.source.fail(tokens)
+            if writer is not None:
+                writer.dropped(item, tokens)
+            raise
+        if out is _SKIP:
+            self.source.fail(tokens)
+            if writer is not None:
+                writer.dropped(item, tokens)
+        elif writer is None:
+            self.source.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
+        return out
+
+    def _writer_for(self) -> _delivery.LedgerWriter | None:
+        """This worker's ledger writer, restarted for each new iteration (epoch) of the worker."""
+        if self._ledger is None:
+            return None
+        ledger_id, conns = self._ledger
+        if self._writer is None or self._writer.ledger_id != ledger_id:
+            self._writer = _delivery.LedgerWriter(ledger_id, conns[get_worker_info().id])
+        self._writer.restart()
+        return self._writer
 
     def _filler_for(self, num_workers: int) -> SlotFiller:
         if self._filler is None or self._filler_pid != os.getpid():
@@ -326,15 +373,11 @@ class StorageDataset(IterableDataset):
             else:
                 info, payload = filler.fill_batch(group, self.collate_fn)
         except Exception as exc:
-            for s in group:
-                self.source.done(s, ok=False)
             if self.on_error == "raise":
                 raise
             logger.warning("skipping %s: %s", group if len(group) > 1 else group[0], exc)
             self._skipped += 1
             return _SKIP
-        for s in group:
-            self.source.done(s, ok=True)
         skipped, self._skipped = self._skipped, 0
         if in_worker and self._materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
@@ -347,12 +390,13 @@ class StorageDataset(IterableDataset):
 _SKIP = object()
 
 
-def _user_collates() -> bool:
-    """Whether the DataLoader worker iterating us passes items to a collate_fn of the user's.
+def _fetch_context() -> tuple[bool, int]:
+    """(whether the DataLoader passes our items to a collate_fn of the user's, items per DataLoader item).
 
     Called from ``_iterate``'s first step, which torch's dataset fetcher runs: its ``collate_fn``
     is the DataLoader's. Ours (``default_collate`` through ``_Delivery``'s entry, or
-    ``default_convert``) ship references; a user's function must see samples instead.
+    ``default_convert``) ship references; a user's function must see samples instead. With
+    DataLoader-side batching the fetcher asks for as many items as its index list is long.
     """
     from torch.utils.data._utils.collate import default_convert
     from torch.utils.data._utils.fetch import _BaseDatasetFetcher
@@ -363,9 +407,11 @@ def _user_collates() -> bool:
             break
         fetcher = frame.f_locals.get("self")
         if isinstance(fetcher, _BaseDatasetFetcher):
-            return fetcher.collate_fn not in (default_collate, default_convert)
+            index = frame.f_locals.get("possibly_batched_index")
+            per_item = len(index) if fetcher.auto_collation and hasattr(index, "__len__") else 1
+            return fetcher.collate_fn not in (default_collate, default_convert), max(1, per_item)
         frame = frame.f_back
-    return False
+    return False, 1
 
 # Automatic epoch counters are kept for DataLoaders of up to this many workers (beyond it, only
 # persistent workers advance the epoch by themselves; set_epoch always works).

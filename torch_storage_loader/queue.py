@@ -56,7 +56,11 @@ class StorageQueue:
         self._queue.put(storage, block, timeout)
 
     def close(self) -> None:
-        """End the stream: consumers stop once every handle put before it is taken."""
+        """End the stream: consumers stop once every handle put before it is taken.
+
+        Handles put after it (as a stopped ``StorageDataset`` gives back what it did not deliver)
+        are still taken by the consumers that come after.
+        """
         self._queue.put(_End())
 
     def get(self, timeout: float | None = None) -> Storage | None:
@@ -81,8 +85,13 @@ class StorageQueue:
                     raise
                 continue
             if isinstance(item, _End):
-                self._queue.put(item)
-                return None
+                try:  # a handle a stopped DataLoader gave back after the end: deliver it first
+                    item = self._queue.get(timeout=0.05)
+                except _queue.Empty:
+                    item = None
+                self._queue.put(_End())
+                if item is None or isinstance(item, _End):
+                    return None
             return item
 
     def __iter__(self) -> Iterator[Storage]:

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import Any, Callable, Iterator
 
 import redis
@@ -76,6 +77,20 @@ if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[2], 'failed', #ARGV - 2) end
 return {acked, dups}
 """
 
+# Give entries back: acknowledge each still pending and append its record again, undelivered.
+_RETURN = """
+local n = 0
+for i = 2, #ARGV do
+  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  if #e > 0 and redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'returned', n) end
+return n
+"""
+
 # Trim below the oldest entry any group still needs: its oldest pending one, or its first undelivered.
 _TRIM = """
 local function less(a, b)
@@ -133,6 +148,11 @@ def redact_url(url: str) -> str:
         return "<unparsable redis URL>"
 
 
+def _disconnect(client: redis.Redis, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child must not close its parent's sockets
+        client.close()
+
+
 def _decode_id(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -165,7 +185,8 @@ class RedisStorageQueue:
     ``RedisUnavailableError`` naming the URL without its password (``rediss://`` and passwords
     come from the URL; they are never logged or shown). A ``put`` retried after a lost reply may
     append the handle twice. The queue pickles as its URL and options; each process connects on
-    first use.
+    first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
+    next call reconnects.
     """
 
     def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,
@@ -197,8 +218,10 @@ class RedisStorageQueue:
         """Per-process state: made on first use in each process (and after a fork)."""
         self._pid = os.getpid()
         self._client: redis.Redis | None = None
+        self._closer: weakref.finalize | None = None
         self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.family = ""  # consumers named FAMILY/... belong to one trainer: see _drained
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._buffer: collections.deque = collections.deque()  # (token, storage | exception) read, not yet handed out
         self._outstanding: collections.OrderedDict = collections.OrderedDict()  # handed out here, not acked here
@@ -242,9 +265,24 @@ class RedisStorageQueue:
                                                   retry=Retry(NoBackoff(), 0), decode_responses=False)
                     self._scripts = {name: client.register_script(src) for name, src in
                                      (("read", _READ), ("claim", _CLAIM), ("ack", _ACK), ("trim", _TRIM),
-                                      ("dead", _DEAD), ("retire", _RETIRE))}
+                                      ("dead", _DEAD), ("retire", _RETIRE), ("return", _RETURN))}
                     self._client = client
+                    # backup for a queue dropped without disconnect(): close its sockets, not leave them to gc
+                    self._closer = weakref.finalize(self, _disconnect, client, self._pid)
         return self._client
+
+    def disconnect(self) -> None:
+        """Close this process's connections to Redis (the stream is untouched; the next call reconnects)."""
+        with self._lock:
+            closer, self._closer, self._client, self._scripts = self._closer, None, None, {}
+        if closer is not None and self._pid == os.getpid():
+            closer()
+
+    def __enter__(self) -> RedisStorageQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disconnect()
 
     def _call(self, fn: Callable[[redis.Redis], Any], what: str) -> Any:
         """Run ``fn(client)``, retrying lost connections for ``retry_for`` seconds."""
@@ -493,7 +531,7 @@ class RedisStorageQueue:
         return self._take(entries)
 
     def _drained(self) -> bool:
-        """Nothing left for this consumer: nothing pending except what this process handed out."""
+        """Nothing left for this consumer: nothing pending except what this process (or its trainer) holds."""
         def look(c: redis.Redis) -> tuple:
             summary = c.xpending(self.stream, self.group)
             mine = c.xpending_range(self.stream, self.group, "-", "+", 1000, consumername=self.consumer)
@@ -503,9 +541,23 @@ class RedisStorageQueue:
         if not summary["pending"]:
             return True
         ours = [_decode_id(m["message_id"]) for m in mine]
-        if summary["pending"] != len(ours):
+        others = {_decode_id(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        others.pop(self.consumer, None)
+        if self.family:  # siblings under one trainer: the trainer acknowledges or gives back their entries
+            others = {k: n for k, n in others.items() if not k.startswith(self.family + "/")}
+        if sum(others.values()):
             return False  # pending on another consumer: wait for its ack, or claim it after claim_after
         return all(t in self._outstanding for t in ours)  # the rest were read but their reply was lost
+
+    def give_back(self, *tokens: str) -> int:
+        """Make delivered entries undelivered again (appended anew), for any consumer; returns how many."""
+        if not tokens:
+            return 0
+        for t in tokens:
+            self._outstanding.pop(t, None)
+        args = [self.group, *tokens]
+        return int(self._call(lambda c: self._scripts["return"](keys=[self.stream, self._k_stats], args=args),
+                              "give entries back"))
 
     def _finish(self) -> None:
         self.trim()
@@ -520,7 +572,8 @@ class RedisStorageQueue:
         ``delivered`` (handed out, redeliveries included), ``claimed`` (taken over from a consumer
         idle for ``claim_after``), ``acked``, ``duplicates`` (entries delivered or acknowledged more
         than once), ``failed`` (acknowledged after a failed load), ``refused`` (entries that were not
-        handle records), ``lost`` (pending entries deleted by someone else); and now: ``length``
+        handle records), ``lost`` (pending entries deleted by someone else), ``returned`` (given back
+        undelivered by a stopped DataLoader, and delivered again); and now: ``length``
         (entries in the stream), ``pending`` (delivered, not acknowledged), ``undelivered``.
         """
         def look(c: redis.Redis) -> tuple:
@@ -531,7 +584,7 @@ class RedisStorageQueue:
             return pipe.execute()
 
         counts, length, groups = self._call(look, "read stats")
-        out = {k: 0 for k in ("delivered", "claimed", "acked", "duplicates", "failed", "refused", "lost")}
+        out = {k: 0 for k in ("delivered", "claimed", "acked", "duplicates", "failed", "refused", "lost", "returned")}
         out.update({_decode_id(k): int(v) for k, v in counts.items()})
         mine = next((g for g in groups if _decode_id(g["name"]) == self.group), {})
         out["length"] = int(length)
@@ -557,16 +610,16 @@ class RedisStorageQueue:
 class RedisSource:
     """``StorageDataset``'s view of a ``RedisStorageQueue``: handles in, acknowledgements out.
 
-    ``done(storage_or_token, ok)`` acknowledges an entry once its sample was loaded (or failed to
-    load: a file that cannot be read fails everywhere, so it is acknowledged too and counted as
-    ``failed``). Tokens of handles yielded and not yet done are kept by the handle's identity.
+    DataLoader workers read as consumers named after their trainer; the trainer acknowledges an
+    entry once it received its sample, or gives it back (``RedisStorageQueue.give_back``) when its
+    DataLoader stops first. A file that cannot be read fails everywhere, so its entry is
+    acknowledged too and counted as ``failed``.
     """
 
     finite = False
 
     def __init__(self, queue: RedisStorageQueue) -> None:
         self.queue = queue
-        self._tokens: dict[int, str] = {}
 
     def __getstate__(self) -> dict:
         return {"queue": self.queue}
@@ -574,15 +627,19 @@ class RedisSource:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["queue"])
 
-    def iterate(self, shard: int, num_shards: int, skip: int = 0) -> Iterator[Storage]:
-        for token, storage in self.queue:
-            self._tokens[id(storage)] = token
-            yield storage
+    def iterate(self, shard: int, num_shards: int, skip: int = 0, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+        q = self.queue
+        if family:
+            q._conn()  # per-process state first, then the name
+            q.family = f"{socket.gethostname()}-{family}"
+            q.consumer = f"{q.family}/{os.getpid()}-{secrets.token_hex(3)}"
+        yield from q
 
-    def token_of(self, storage: Storage) -> str | None:
-        return self._tokens.get(id(storage))
+    def ack(self, tokens: list) -> None:
+        self.queue._ack(tokens, failed=False)
 
-    def done(self, storage_or_token: Storage | str, ok: bool) -> None:
-        token = storage_or_token if isinstance(storage_or_token, str) else self._tokens.pop(id(storage_or_token), None)
-        if token is not None:
-            self.queue._ack([token], failed=not ok)
+    def fail(self, tokens: list) -> None:
+        self.queue._ack(tokens, failed=True)
+
+    def give_back(self, tokens: list) -> None:
+        self.queue.give_back(*tokens)

@@ -1,0 +1,149 @@
+"""At-least-once delivery: DataLoaders that stop early, workers that die, trainers that die."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+
+import pytest
+from torch.utils.data import DataLoader
+
+import _helpers
+from _redis_server import redis_server  # noqa: F401  (fixture)
+from conftest import traj
+from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
+
+N = 600
+
+
+def _save_all(directory, n: int = N, suffix: str = ".tsl") -> list[FileStorage]:
+    os.makedirs(directory, exist_ok=True)
+    out = []
+    for i in range(n):
+        path = os.path.join(directory, f"{i:04d}{suffix}")
+        s = FileStorage(path + ".part")
+        s.save(traj(i, n=2))
+        os.rename(path + ".part", path)  # a directory source must never see half a file
+        out.append(FileStorage(path))
+    return out
+
+
+def _ids(item) -> list[int]:
+    ids = item["info"]["id"]
+    return [int(i) for i in ids] if hasattr(ids, "__len__") and not isinstance(ids, str) else [int(ids)]
+
+
+def _stop_early_then_drain(dl: DataLoader, rounds: int = 10, take: int = 40) -> list[int]:
+    """What a trainer sees: ``rounds`` loops that ``break`` after ``take`` items, then one to the end."""
+    got: list[int] = []
+    for _ in range(rounds):
+        for k, item in enumerate(dl):
+            got += _ids(item)
+            if k + 1 == take:
+                break
+    for item in dl:
+        got += _ids(item)
+    return got
+
+
+LOADERS = {
+    "2 workers": dict(batch_size=None, num_workers=2),
+    "persistent, out of order": dict(batch_size=None, num_workers=2, persistent_workers=True, in_order=False),
+    "DataLoader batches": dict(batch_size=4, num_workers=2),
+    "in the trainer": dict(batch_size=None, num_workers=0),
+}
+
+
+@pytest.mark.parametrize("options", LOADERS.values(), ids=LOADERS.keys())
+def test_storage_queue_stopped_early_ten_times_loses_nothing(tmp_path, options):
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files"):
+        q.put(s)
+    q.close()
+    dl = DataLoader(StorageDataset(q), timeout=60 if options["num_workers"] else 0, **options)
+    got = _stop_early_then_drain(dl)
+    del dl
+    assert sorted(got) == list(range(N)), "a handle was lost or delivered twice"
+
+
+def test_dataset_side_batches_from_a_queue_loses_nothing(tmp_path):
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files"):
+        q.put(s)
+    q.close()
+    got = _stop_early_then_drain(DataLoader(StorageDataset(q, batch_size=3), batch_size=None, num_workers=2,
+                                            timeout=60))
+    assert sorted(got) == list(range(N))
+
+
+def test_directory_stopped_early_ten_times_loses_nothing(tmp_path):
+    d = str(tmp_path / "dir")
+    _save_all(d)
+    end_directory_stream(d)
+    got = _stop_early_then_drain(DataLoader(StorageDataset(d), batch_size=None, num_workers=2, timeout=60))
+    assert sorted(got) == list(range(N))
+    assert os.listdir(d) == ["_END_OF_STREAM"], "delivered files are deleted, and only those"
+
+
+def test_redis_stopped_early_ten_times_loses_nothing(tmp_path, redis_server):  # noqa: F811
+    from torch_storage_loader import RedisStorageQueue
+
+    with RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}") as q:
+        try:
+            for s in _save_all(tmp_path / "files"):
+                q.put(s)
+            q.close()
+            got = _stop_early_then_drain(DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60))
+            assert sorted(got) == list(range(N))
+            stats = q.stats()
+            assert stats["returned"] > 0, "stopping ten times gave nothing back: the check cannot fail"
+            assert (stats["pending"], stats["duplicates"], stats["acked"]) == (0, 0, N)
+        finally:
+            q.delete()
+
+
+def test_killed_worker_loses_nothing(tmp_path):
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files", n=200):
+        q.put(s)
+    q.close()
+    dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
+    got: list[int] = []
+    it = iter(dl)
+    for _ in range(30):
+        got += _ids(next(it))
+    os.kill(it._workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="exited unexpectedly|killed by signal"):
+        for item in it:
+            got += _ids(item)
+    del it
+    for item in dl:
+        got += _ids(item)
+    assert sorted(set(got)) == list(range(200))
+
+
+def test_killed_trainer_gives_its_claims_back(tmp_path):
+    d = str(tmp_path / "dir")
+    _save_all(d, n=100)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    other = ctx.Process(target=_helpers.consume_and_block, args=(d, ready))
+    other.start()
+    try:
+        assert ready.wait(60)
+        claimed = [n for n in os.listdir(d) if ".claimed-" in n]
+        assert claimed, "prefetched samples are held as claims"
+        os.kill(other.pid, signal.SIGKILL)
+        other.join()
+        end_directory_stream(d)
+        got = [i for item in DataLoader(StorageDataset(d), batch_size=None, num_workers=2, timeout=60)
+               for i in _ids(item)]
+    finally:
+        if other.is_alive():
+            other.kill()
+            other.join()
+    delivered_before = set(range(100)) - set(got)
+    assert len(delivered_before) == 5, f"the killed trainer had 5 samples; {sorted(delivered_before)} are missing"

@@ -69,6 +69,19 @@ def test_storage_queue_stopped_early_ten_times_loses_nothing(tmp_path, options):
     assert sorted(got) == list(range(N)), "a handle was lost or delivered twice"
 
 
+def test_stateful_dataloader_stopped_early_loses_nothing(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files"):
+        q.put(s)
+    q.close()
+    dl = StatefulDataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
+    got = _stop_early_then_drain(dl)
+    del dl
+    assert sorted(got) == list(range(N))
+
+
 def test_dataset_side_batches_from_a_queue_loses_nothing(tmp_path):
     q = StorageQueue()
     for s in _save_all(tmp_path / "files"):

@@ -87,6 +87,27 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
     assert sorted(seen[0] + seen[1]) == list(range(24))
 
 
+def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_once(tmp_path):
+    """Lightning fetches a batch ahead: the one fetched at max_steps goes back to the queue."""
+    from torch_storage_loader import FileStorage
+    from conftest import traj
+
+    q = StorageQueue()
+    for i in range(60):
+        s = FileStorage(tmp_path / f"{i:03d}.tsl")
+        s.save(traj(i))
+        q.put(s)
+    q.close()
+    dm = StorageDataModule(q, batch_size=2, num_workers=2)
+    seen = []
+    for max_steps in (5, 5, 5, -1):
+        model = _helpers.tiny_model()
+        trainer(tmp_path, max_steps=max_steps, max_epochs=1).fit(model, datamodule=dm)
+        dm.teardown("fit")
+        seen += model.seen
+    assert sorted(seen) == list(range(60)), "a sample was lost, or trained on twice"
+
+
 def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     q = StorageQueue()
     producers = _helpers.start_producers(q, tmp_path, 20)

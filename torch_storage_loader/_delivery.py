@@ -7,16 +7,20 @@ workers restart their iterator each epoch) and the index of the DataLoader item 
 In the trainer, the iterator's ``_process_data`` (the one place every item passes on its way to
 the caller, after unpickling, pinning and reordering) acknowledges what the worker took for the
 items it yielded: each worker's items reach the caller in the order the worker made them, so a
-count per worker says which. Whatever is left when the iterator stops (a ``break``, an
+count per worker says which. A loader whose ``confirm_delivery`` is true (Lightning's, which
+fetches a batch ahead of the one it trains on) acknowledges only when told ``consumed()``, in
+the order items were yielded. Whatever is left when the iterator stops (a ``break``, an
 exception, workers killed, the next epoch of persistent workers) goes back to the source.
 
-The hooks wrap four methods of torch's ``_MultiProcessingDataLoaderIter`` and act only for
-iterators over a streaming ``StorageDataset``; other iterators (and loaders built on other
-iterator classes) are untouched, and a StorageDataset under them acknowledges at load time.
+The hooks wrap four methods of torch's ``_MultiProcessingDataLoaderIter`` (and of torchdata's
+``StatefulDataLoader`` iterator, which has the same protocol) and act only for iterators over a
+streaming ``StorageDataset``; other iterators are untouched. Under an iterator class without the
+hooks, a StorageDataset's workers acknowledge handles as they load them.
 """
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import functools
 import logging
@@ -34,8 +38,10 @@ TAKE, DROP = "take", "drop"
 class Ledger:
     """Trainer side: what each worker took, until it is acknowledged or given back."""
 
-    def __init__(self, source: Any, num_workers: int, ctx: Any) -> None:
+    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False) -> None:
         self.source = source
+        self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
+        self._unconfirmed: collections.deque = collections.deque()  # (worker, incarnation, item) yielded
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
@@ -76,8 +82,20 @@ class Ledger:
         """The iterator is handing worker ``worker``'s next item to the trainer."""
         self._drain()
         self._yielded[worker] += 1
+        if self.confirm:
+            self._unconfirmed.append((worker, self._incarnation, self._yielded[worker] - 1))
+            return
         done = [k for k in self._taken if k[0] == worker and k[1] == self._incarnation and k[2] < self._yielded[worker]]
-        tokens = [t for k in done for t in self._taken.pop(k)]
+        self._ack(done)
+
+    def consumed(self) -> None:
+        """With ``confirm``: the trainer used the oldest item yielded and not yet confirmed."""
+        if self._unconfirmed:
+            self._drain()
+            self._ack([self._unconfirmed.popleft()])
+
+    def _ack(self, keys: list) -> None:
+        tokens = [t for k in keys for t in self._taken.pop(k, ())]
         if tokens:
             self.source.ack(tokens)
 
@@ -86,6 +104,7 @@ class Ledger:
         self._drain()
         self._incarnation += 1
         self._yielded = [0] * len(self._yielded)
+        self._unconfirmed.clear()
         self._give_back([k for k in self._taken if k[1] < self._incarnation])
 
     def close(self) -> None:
@@ -131,22 +150,30 @@ def _open(loader: Any) -> Ledger | None:
         return None
     ctx = loader.multiprocessing_context or mp.get_context()
     ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
-    ledger = Ledger(ds.source, loader.num_workers, ctx)
+    ledger = Ledger(ds.source, loader.num_workers, ctx, confirm=bool(getattr(loader, "confirm_delivery", False)))
     ds._ledger = (ledger.id, ledger.writers)
     return ledger
 
 
 def install() -> None:
-    """Wrap torch's multiprocessing DataLoader iterator (once per process)."""
+    """Wrap torch's multiprocessing DataLoader iterator, and torchdata's if it is imported (idempotent)."""
+    import sys
+
     from torch.utils.data import dataloader
 
-    cls = dataloader._MultiProcessingDataLoaderIter
-    if getattr(cls, "_tsl_delivery", False):
+    _hook(dataloader._MultiProcessingDataLoaderIter)
+    stateful = sys.modules.get("torchdata.stateful_dataloader.stateful_dataloader")
+    if stateful is not None:
+        _hook(stateful._StatefulMultiProcessingDataLoaderIter)
+
+
+def _hook(cls: type) -> None:
+    if cls.__dict__.get("_tsl_delivery", False):
         return
     needed = ("__init__", "_reset", "_process_data", "_shutdown_workers")
     if not all(callable(getattr(cls, n, None)) for n in needed):
-        logger.warning("this torch's DataLoader iterator lacks %s: streaming StorageDatasets acknowledge "
-                       "handles when loaded, not when the trainer gets them", needed)
+        logger.warning("%s lacks %s: streaming StorageDatasets acknowledge handles when loaded, not when "
+                       "the trainer gets them", cls.__name__, needed)
         return
     init, reset, process, shutdown = (getattr(cls, n) for n in needed)
 
@@ -167,18 +194,18 @@ def install() -> None:
         self._tsl_ledger = ledger
 
     @functools.wraps(reset)
-    def _reset(self, loader, first_iter=False):
-        reset(self, loader, first_iter)
+    def _reset(self, loader, first_iter=False, *args, **kwargs):
+        reset(self, loader, first_iter, *args, **kwargs)
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None and not first_iter:
             ledger.next_incarnation()
 
     @functools.wraps(process)
-    def _process_data(self, data, worker_idx):
+    def _process_data(self, data, worker_idx, *args, **kwargs):
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None:
             ledger.delivered(worker_idx)
-        return process(self, data, worker_idx)
+        return process(self, data, worker_idx, *args, **kwargs)
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):

@@ -123,6 +123,7 @@ class StorageDataset(IterableDataset):
                  max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
                  shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()
+        _delivery.install()  # again: torchdata's StatefulDataLoader may have been imported since
         if not isinstance(shuffle, bool):
             raise TypeError(f"{shuffle=} must be a bool")
         if not isinstance(seed, int) or isinstance(seed, bool):

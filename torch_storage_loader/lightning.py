@@ -35,11 +35,15 @@ class _ConsumedStateLoader(StatefulDataLoader):
     """A ``StatefulDataLoader`` whose ``state_dict`` covers the batches the model consumed.
 
     Lightning fetches one batch ahead of the one it trains on; a plain loader's state would count
-    that batch as used, and a run resumed from a mid-epoch checkpoint would skip it.
+    that batch as used, and a run resumed from a mid-epoch checkpoint would skip it. For the same
+    reason a streaming source's handles are acknowledged when their batch is consumed, not when
+    it is fetched: the batch fetched ahead at ``max_steps`` goes back to the source.
     """
 
-    def __init__(self, *args: Any, epoch_fn: Callable[[], int | None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, epoch_fn: Callable[[], int | None] | None = None,
+                 confirm_delivery: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.confirm_delivery = confirm_delivery
         self._epoch_fn = epoch_fn
         self._yielded_states: collections.deque = collections.deque()
         self._consumed_state: dict | None = None
@@ -57,6 +61,9 @@ class _ConsumedStateLoader(StatefulDataLoader):
     def mark_consumed(self) -> None:
         if self._yielded_states:
             self._consumed_state = self._yielded_states.popleft()
+        ledger = getattr(self._iterator, "_tsl_ledger", None)
+        if ledger is not None:
+            ledger.consumed()
 
     def state_dict(self) -> dict[str, Any]:
         return self._consumed_state if self._consumed_state is not None else super().state_dict()
@@ -153,7 +160,7 @@ class StorageDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: StorageDataset, train: bool = False) -> StatefulDataLoader:
         loader = _ConsumedStateLoader(
-            dataset, epoch_fn=self._trainer_epoch if train else None, batch_size=None,
+            dataset, epoch_fn=self._trainer_epoch if train else None, confirm_delivery=train, batch_size=None,
             num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
             persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context)

@@ -1,7 +1,8 @@
 """The demo behind README's first command: collectors feed a Lightning trainer through storage.
 
 Collector processes roll out a small simulated environment (numpy only) and save trajectories
-with ``FileStorageLoader`` into a temporary directory, putting the handles on a ``StorageQueue``;
+with ``FileStorageLoader`` into a temporary directory, putting the handles on a ``StorageQueue``
+(or, with ``--redis URL``, a ``RedisStorageQueue``);
 a small Lightning model trains from ``StorageDataModule`` for a fixed number of steps. Then the
 same number of steps runs through a plain ``DataLoader`` over the same files, and a table compares
 the two. Everything lives in a temporary directory that is removed at the end.
@@ -14,6 +15,7 @@ import glob
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -33,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=20, help="optimizer steps per trainer")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--redis", metavar="URL", default=None,
+                   help="hand trajectories over through a RedisStorageQueue at URL (redis://host:port/db) "
+                        "instead of a local StorageQueue; the demo's stream is deleted at the end")
 
 
 class BallEnv:
@@ -60,7 +65,7 @@ class BallEnv:
         return self.frames.copy(), reward, self.rng.random() < 0.01
 
 
-def collect(queue: StorageQueue, directory: str, collector: int, trajectories: int, steps: int, size: int) -> None:
+def collect(queue, directory: str, collector: int, trajectories: int, steps: int, size: int) -> None:
     """A collector process: roll out, save each trajectory, hand its handle to the trainer."""
     torch.set_num_threads(1)
     env = BallEnv(collector, size)
@@ -139,6 +144,23 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
 
 
+def _close_when_done(queue, collectors: list) -> None:
+    for p in collectors:
+        p.join()
+    queue.close()
+
+
+def _queue_for(args: argparse.Namespace):
+    if not args.redis:
+        return StorageQueue()
+    import uuid
+
+    from .redis_queue import RedisStorageQueue
+
+    print("handing trajectories over through Redis Streams")
+    return RedisStorageQueue(args.redis, f"tsl-demo-{uuid.uuid4().hex[:12]}")
+
+
 def run(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
 
@@ -149,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     needed = args.train_steps * args.batch_size
     with tempfile.TemporaryDirectory(prefix="tsl-demo-") as workdir:
-        queue = StorageQueue()
+        queue = _queue_for(args)
         collectors = [ctx.Process(target=collect, args=(queue, os.path.join(workdir, f"collector{c}"), c,
                                                         args.trajectories, args.steps, args.size), daemon=True)
                       for c in range(args.collectors)]
@@ -157,12 +179,14 @@ def run(args: argparse.Namespace) -> int:
             p.start()
         print(f"{args.collectors} collectors are rolling out {args.trajectories} trajectories each "
               f"({args.steps} steps of {4}x{args.size}x{args.size} frames) into {workdir}")
+        closer = threading.Thread(target=_close_when_done, args=(queue, collectors), name="demo-closer")
+        closer.start()  # the stream ends with the collectors, so a last, short batch is trained on too
         dm = StorageDataModule(queue, batch_size=args.batch_size, num_workers=args.workers)
         ours = _fit(dm, args, not args.no_progress_bar)
         dm.teardown("fit")
-        for p in collectors:
-            p.join()
-        queue.close()
+        closer.join()
+        if args.redis:
+            queue.delete()
         paths = sorted(glob.glob(os.path.join(workdir, "collector*", "*.tsl")))
         if len(paths) < needed:
             print(f"note: {len(paths)} trajectories for {needed} samples: the runs below repeat epochs")

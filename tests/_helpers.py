@@ -122,6 +122,17 @@ def consume_and_block(directory: str, ready) -> None:
     time.sleep(600)
 
 
+def consume_redis_and_block(queue, n: int, out, ready) -> None:
+    """A trainer process that takes ``n`` samples from a RedisStorageQueue, reports them, then hangs."""
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    it = iter(DataLoader(StorageDataset(queue), batch_size=None, num_workers=2))
+    out.put([int(next(it)["info"]["id"]) for _ in range(n)])
+    ready.set()
+    time.sleep(600)
+
+
 def ddp_rank(rank: int, world: int, init_file: str, handles, out) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader

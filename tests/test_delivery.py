@@ -160,3 +160,38 @@ def test_killed_trainer_gives_its_claims_back(tmp_path):
             other.join()
     delivered_before = set(range(100)) - set(got)
     assert len(delivered_before) == 5, f"the killed trainer had 5 samples; {sorted(delivered_before)} are missing"
+
+
+def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_server):  # noqa: F811
+    from torch_storage_loader import RedisStorageQueue
+
+    claim_after = 3.0
+    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", claim_after=claim_after)
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Event(), ctx.Queue()
+    other = ctx.Process(target=_helpers.consume_redis_and_block, args=(q, 10, out, ready))
+    try:
+        for s in _save_all(tmp_path / "files", n=200):
+            q.put(s)
+        q.close()
+        other.start()
+        assert ready.wait(60)
+        theirs = out.get(timeout=10)
+        assert q.stats()["pending"] > 0, "the other trainer holds prefetched entries: the check cannot fail"
+        os.kill(other.pid, signal.SIGKILL)
+        other.join()
+        killed = time.monotonic()
+        mine = [i for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
+                for i in _ids(item)]
+        took = time.monotonic() - killed
+        assert sorted(theirs + mine) == list(range(200)), "lost, or delivered twice"
+        assert took < claim_after + 15, f"the dead trainer's entries took {took:.1f} s to come back"
+        stats = q.stats()
+        assert stats["claimed"] > 0 and stats["duplicates"] == stats["claimed"], stats
+        assert stats["pending"] == 0 and stats["acked"] == 200
+    finally:
+        if other.is_alive():
+            other.kill()
+            other.join()
+        q.delete()
+        q.disconnect()

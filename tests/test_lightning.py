@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 
 import _helpers
+from _redis_server import redis_server  # noqa: F401  (fixture)
 from torch_storage_loader import StorageQueue
 from torch_storage_loader.lightning import StorageDataModule, StorageStatsCallback
 
@@ -124,6 +125,38 @@ def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
     assert len(seen[0]) == len(seen[1]) == 10
     assert not set(seen[0]) & set(seen[1])
+
+
+def test_ddp_spawn_over_redis_trains_on_each_sample_once(tmp_path, redis_server):  # noqa: F811
+    import uuid
+
+    from torch.utils.data import DataLoader
+
+    from conftest import traj
+    from torch_storage_loader import FileStorage, RedisStorageQueue, StorageDataset
+
+    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}")
+    try:
+        for i in range(60):
+            s = FileStorage(tmp_path / f"{i:03d}.tsl")
+            s.save(traj(i))
+            q.put(s)
+        q.close()
+        rec = tmp_path / "rec"
+        rec.mkdir()
+        t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=10, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                       default_root_dir=tmp_path)
+        t.fit(_helpers.tiny_model(str(rec)), datamodule=StorageDataModule(q, batch_size=2, num_workers=1))
+        seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
+        assert len(seen[0]) == len(seen[1]) == 20
+        rest = [int(s["info"]["id"]) for s in DataLoader(StorageDataset(q), batch_size=None, timeout=0)]
+        assert sorted(seen[0] + seen[1] + rest) == list(range(60)), "a sample was lost, or trained on twice"
+        stats = q.stats()
+        assert (stats["pending"], stats["duplicates"], stats["acked"]) == (0, 0, 60), stats
+    finally:
+        q.delete()
+        q.disconnect()
 
 
 def test_exception_in_fit_leaves_nothing_behind(tmp_path, handles):

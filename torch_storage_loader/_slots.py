@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._format import Header, ReadOptions
+from ._proc import pid_alive
 from ._shm import ShmSegment
 from .errors import ShmTransportError
 
@@ -245,19 +246,9 @@ def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> No
         for ring in list(reg.rings.values()):
             if owner_pid is not None and ring.owner_pid != owner_pid:
                 continue
-            if dead_only and _pid_alive(ring.owner_pid):
+            if dead_only and pid_alive(ring.owner_pid):
                 continue
             reg.forget(ring)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _private(nbytes: int) -> np.ndarray:

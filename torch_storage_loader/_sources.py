@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ._proc import pid_alive
 from .file_loader import SUFFIX
 from .queue import StorageQueue
 from .storage import FileStorage, Storage
@@ -181,7 +182,7 @@ class DirectorySource:
         n = 0
         for name in names:
             claim = _parse_claim(name)
-            if claim is None or claim[1] != host or _alive(claim[3]):
+            if claim is None or claim[1] != host or pid_alive(claim[3]):
                 continue
             try:
                 os.rename(os.path.join(self.path, name), os.path.join(self.path, claim[0]))
@@ -193,7 +194,7 @@ class DirectorySource:
     def _claimed_by_others(self, names: list[str], host: str, family: str) -> bool:
         for name in names:
             claim = _parse_claim(name)
-            if claim is not None and claim[2] != family and (claim[1] != host or _alive(claim[3])):
+            if claim is not None and claim[2] != family and (claim[1] != host or pid_alive(claim[3])):
                 return True
         return False
 
@@ -234,20 +235,6 @@ def _parse_claim(name: str) -> tuple[str, str, str, int] | None:
     if len(parts) != 3 or not parts[2].isdigit():
         return None
     return original, parts[0], parts[1], int(parts[2])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (dead, not yet reaped by its parent) counts as dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def end_directory_stream(path: str | os.PathLike) -> None:

@@ -9,6 +9,7 @@ import queue as _queue
 import time
 from typing import Iterator
 
+from ._proc import pid_alive
 from .errors import StorageError
 from .storage import Storage
 
@@ -117,19 +118,4 @@ class StorageQueue:
     def dead_producers(self) -> list[int]:
         with self._producers.get_lock():
             pids = [p for p in self._producers[:] if p]
-        dead = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                dead.append(pid)
-                continue
-            except PermissionError:
-                continue
-            try:  # a zombie (dead, not yet reaped by its parent) counts as dead
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        dead.append(pid)
-            except OSError:
-                pass
-        return dead
+        return [pid for pid in pids if not pid_alive(pid)]

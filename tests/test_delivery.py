@@ -49,6 +49,18 @@ def _stop_early_then_drain(dl: DataLoader, rounds: int = 10, take: int = 40) -> 
     return got
 
 
+def test_storage_queue_give_back_after_the_end(tmp_path):
+    a, b = _save_all(tmp_path / "files", n=2)
+    q = StorageQueue()
+    q.put(a)
+    q.close()
+    assert q.get(timeout=5) == a
+    q.give_back([a, b])
+    assert [q.get(timeout=5), q.get(timeout=5)] == [a, b], "given back after the end, still delivered"
+    t0 = time.monotonic()
+    assert q.get() is None and time.monotonic() - t0 < 1.0
+
+
 LOADERS = {
     "2 workers": dict(batch_size=None, num_workers=2),
     "persistent, out of order": dict(batch_size=None, num_workers=2, persistent_workers=True, in_order=False),
@@ -195,3 +207,61 @@ def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_se
             other.join()
         q.delete()
         q.disconnect()
+
+
+def test_a_failed_dataloader_batch_gives_its_good_samples_back(tmp_path):
+    d = str(tmp_path / "dir")
+    _save_all(d, n=40)
+    with open(os.path.join(d, "0017.tsl"), "r+b") as f:
+        f.truncate(100)  # corrupt: its DataLoader batch raises
+    end_directory_stream(d)
+    got: list[int] = []
+    with pytest.raises(Exception, match="0017"):
+        for item in DataLoader(StorageDataset(d), batch_size=4, num_workers=2, timeout=60):
+            got += _ids(item)
+    got += [i for item in DataLoader(StorageDataset(d), batch_size=None, num_workers=2, timeout=60) for i in _ids(item)]
+    assert sorted(got) == [i for i in range(40) if i != 17], "the failed batch's good samples were acknowledged"
+    assert sorted(os.listdir(d)) == ["0017.tsl.failed", "_END_OF_STREAM"]
+
+
+def test_many_handles_in_flight_never_block_a_worker(tmp_path):
+    """Each handle a worker takes is written to the trainer's ledger: far more than a pipe holds here."""
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files", n=3000):
+        q.put(s)
+    q.close()
+    dl = DataLoader(StorageDataset(q, batch_size=500), batch_size=None, num_workers=2, timeout=60)
+    got = _stop_early_then_drain(dl, rounds=2, take=1)
+    assert sorted(got) == list(range(3000))
+
+
+def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_server):  # noqa: F811
+    from torch_storage_loader import RedisStorageQueue
+
+    stream = f"s-{uuid.uuid4().hex[:8]}"
+    q = RedisStorageQueue(redis_server.url, stream, claim_after=1.0)
+    other = RedisStorageQueue(redis_server.url, stream, claim_after=1.0)
+    theirs: list[int] = []
+    try:
+        for s in _save_all(tmp_path / "files", n=16):
+            q.put(s)
+        mine = []
+        for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60):
+            mine += _ids(item)
+            if len(mine) == 2:  # another consumer comes, looking for idle entries to claim
+                for _ in range(40):
+                    try:
+                        token, storage = other.get(timeout=0.1)
+                    except Exception:
+                        continue
+                    theirs.append(int(os.path.basename(storage.path)[:4]))
+                    other.ack(token)
+                q.close()
+            time.sleep(0.25)  # slower than claim_after for what the workers prefetched
+        assert sorted(mine + theirs) == list(range(16)), "claimed from a live trainer, and delivered twice"
+        stats = q.stats()
+        assert stats["claimed"] == 0 and stats["duplicates"] == 0, stats
+    finally:
+        q.delete()
+        q.disconnect()
+        other.disconnect()

@@ -21,22 +21,31 @@ hooks, a StorageDataset's workers acknowledge handles as they load them.
 from __future__ import annotations
 
 import collections
-import fcntl
 import functools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
 import secrets
+import sys
+import threading
+import time
 from typing import Any
 
-logger = logging.getLogger("torch_storage_loader")
+from torch._utils import ExceptionWrapper
 
-PIPE_BYTES = 1 << 20  # room for what workers take between two items (Linux's default max for a pipe)
+logger = logging.getLogger("torch_storage_loader")
 
 TAKE, DROP = "take", "drop"
 
 
 class Ledger:
-    """Trainer side: what each worker took, until it is acknowledged or given back."""
+    """Trainer side: what each worker took, until it is acknowledged or given back.
+
+    A daemon thread (``tsl-ledger``) empties the workers' pipes as they write, so a worker never
+    blocks on a full pipe while the trainer waits for its item, and keeps what is held alive at
+    sources whose entries expire (``keep_alive``: Redis claims idle entries after ``claim_after``).
+    """
 
     def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False) -> None:
         self.source = source
@@ -45,25 +54,48 @@ class Ledger:
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
+        self._eof: set[int] = set()  # readers whose workers are gone (closed only by close())
         self.writers: list[Any] = [w for _, w in pipes]
-        for w in self.writers:
-            try:
-                fcntl.fcntl(w.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:  # a lower pipe-max-size: the default 64 KiB still works for small batches
-                pass
         self._taken: dict[tuple[int, int, int], list] = {}  # (worker, incarnation, item) -> tokens
         self._yielded = [0] * num_workers
         self._incarnation = 0
         self._closed = False
+        self._lock = threading.Lock()
+        self._stop_r, self._stop_w = os.pipe()
+        self._keep_every = getattr(source, "keep_alive_every", None)
+        self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
+        self._thread.start()
 
     def started(self) -> None:
         """The workers have their write ends: drop ours, so a reader sees EOF once they are gone."""
         for w in self.writers:
             w.close()
 
+    def _run(self) -> None:
+        next_keep = time.monotonic() + (self._keep_every or 0)
+        while True:
+            timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
+            with self._lock:
+                live = [r for i, r in enumerate(self._readers) if i not in self._eof]
+            ready = mp_connection.wait([*live, self._stop_r], timeout)
+            if self._stop_r in ready:
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                self._drain()
+                held = [t for tokens in self._taken.values() for t in tokens]
+            if self._keep_every and time.monotonic() >= next_keep:
+                next_keep = time.monotonic() + self._keep_every
+                if held:
+                    try:
+                        self.source.keep_alive(held)
+                    except Exception as exc:  # the next round may get through
+                        logger.warning("could not keep %d delivered handles alive: %s", len(held), exc)
+
     def _drain(self) -> None:
         for i, reader in enumerate(self._readers):
-            if reader is None:
+            if i in self._eof:
                 continue
             try:
                 while reader.poll():
@@ -75,55 +107,75 @@ class Ledger:
                         for t in tokens:
                             entry.remove(t)
             except (EOFError, OSError):
-                reader.close()
-                self._readers[i] = None
+                self._eof.add(i)
 
-    def delivered(self, worker: int) -> None:
-        """The iterator is handing worker ``worker``'s next item to the trainer."""
-        self._drain()
-        self._yielded[worker] += 1
-        if self.confirm:
-            self._unconfirmed.append((worker, self._incarnation, self._yielded[worker] - 1))
-            return
-        done = [k for k in self._taken if k[0] == worker and k[1] == self._incarnation and k[2] < self._yielded[worker]]
-        self._ack(done)
+    def delivered(self, worker: int, ok: bool = True) -> None:
+        """The iterator is handing worker ``worker``'s next item to the trainer (``ok``: not an exception)."""
+        with self._lock:
+            self._drain()
+            self._yielded[worker] += 1
+            key = (worker, self._incarnation, self._yielded[worker] - 1)
+            if not ok:  # the item is an exception: what it took never reaches the trainer
+                back = self._pop([key])
+                ack = []
+            elif self.confirm:
+                self._unconfirmed.append(key)
+                back, ack = [], []
+            else:
+                back = []
+                ack = self._pop([k for k in self._taken if k[0] == worker and k[1] == self._incarnation
+                                 and k[2] < self._yielded[worker]])
+        self._settle(ack, back)
 
     def consumed(self) -> None:
         """With ``confirm``: the trainer used the oldest item yielded and not yet confirmed."""
-        if self._unconfirmed:
+        with self._lock:
+            if not self._unconfirmed:
+                return
             self._drain()
-            self._ack([self._unconfirmed.popleft()])
-
-    def _ack(self, keys: list) -> None:
-        tokens = [t for k in keys for t in self._taken.pop(k, ())]
-        if tokens:
-            self.source.ack(tokens)
+            ack = self._pop([self._unconfirmed.popleft()])
+        self._settle(ack, [])
 
     def next_incarnation(self) -> None:
         """Persistent workers restarted their iterators: what the last epoch left goes back."""
-        self._drain()
-        self._incarnation += 1
-        self._yielded = [0] * len(self._yielded)
-        self._unconfirmed.clear()
-        self._give_back([k for k in self._taken if k[1] < self._incarnation])
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
+        with self._lock:
             self._drain()
-            self._give_back(list(self._taken))
+            self._incarnation += 1
+            self._yielded = [0] * len(self._yielded)
+            self._unconfirmed.clear()
+            back = self._pop([k for k in self._taken if k[1] < self._incarnation])
+        self._settle([], back)
+
+    def close(self, exhausted: bool = False) -> None:
+        """The iterator stopped: give back what was not delivered. ``exhausted``: it ran to its end, so
+        (with ``confirm``) what it yielded is being consumed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        try:
+            with self._lock:
+                self._drain()
+                ack = self._pop(list(self._unconfirmed)) if exhausted else []
+                back = self._pop(list(self._taken))
+            self._settle(ack, back)
         finally:
             for r in self._readers:
-                if r is not None:
-                    r.close()
-            self._readers = [None] * len(self._readers)
+                r.close()
+            self._eof = set(range(len(self._readers)))
 
-    def _give_back(self, keys: list) -> None:
-        tokens = [t for k in keys for t in self._taken.pop(k)]
-        if tokens:
-            self.source.give_back(tokens)
+    def _pop(self, keys: list) -> list:
+        return [t for k in keys for t in self._taken.pop(k, ())]
+
+    def _settle(self, ack: list, back: list) -> None:
+        if ack:
+            self.source.ack(ack)
+        if back:
+            self.source.give_back(back)
 
 
 class LedgerWriter:
@@ -179,19 +231,18 @@ def _hook(cls: type) -> None:
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
-        self._tsl_ledger = None
-        ledger = _open(loader)
+        self._tsl_ledger = ledger = _open(loader)
         try:
             init(self, loader, *args, **kwargs)
         except BaseException:
             if ledger is not None:
+                self._tsl_ledger = None
                 ledger.close()
             raise
         finally:
             if ledger is not None:
                 loader.dataset._ledger = None
                 ledger.started()
-        self._tsl_ledger = ledger
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):
@@ -204,18 +255,19 @@ def _hook(cls: type) -> None:
     def _process_data(self, data, worker_idx, *args, **kwargs):
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None:
-            ledger.delivered(worker_idx)
+            ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
         return process(self, data, worker_idx, *args, **kwargs)
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
+        exhausted = sys._getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         try:
             shutdown(self)
         finally:
             ledger = getattr(self, "_tsl_ledger", None)
             if ledger is not None:
                 self._tsl_ledger = None
-                ledger.close()
+                ledger.close(exhausted)
 
     cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers = (
         __init__, _reset, _process_data, _shutdown_workers)

@@ -86,6 +86,7 @@ class QueueSource:
     """
 
     finite = False
+    keep_alive_every = None
 
     def __init__(self, q: Any) -> None:
         self.queue = q
@@ -120,6 +121,9 @@ class QueueSource:
         pass
 
     def give_back(self, tokens: list) -> None:
+        if isinstance(self.queue, StorageQueue):
+            self.queue.give_back(tokens)
+            return
         for storage in tokens:
             self.queue.put(storage)
 
@@ -139,6 +143,7 @@ class DirectorySource:
     """
 
     finite = False
+    keep_alive_every = None
 
     def __init__(self, path: str | os.PathLike, *, delete_after_load: bool = True,
                  poll_interval: float = 0.05) -> None:
@@ -178,11 +183,15 @@ class DirectorySource:
                 yield src + tag, FileStorage(src + tag)
 
     def _reclaim_dead(self, names: list[str], host: str) -> int:
-        """Rename back the claims of processes on this host that died; returns how many."""
+        """Rename back the claims of trainers on this host that died; returns how many.
+
+        A claim's worker may be gone while its trainer lives: the trainer gives it back (or
+        acknowledges it) itself.
+        """
         n = 0
         for name in names:
             claim = _parse_claim(name)
-            if claim is None or claim[1] != host or pid_alive(claim[3]):
+            if claim is None or claim[1] != host or _claim_alive(claim):
                 continue
             try:
                 os.rename(os.path.join(self.path, name), os.path.join(self.path, claim[0]))
@@ -194,7 +203,7 @@ class DirectorySource:
     def _claimed_by_others(self, names: list[str], host: str, family: str) -> bool:
         for name in names:
             claim = _parse_claim(name)
-            if claim is not None and claim[2] != family and (claim[1] != host or pid_alive(claim[3])):
+            if claim is not None and claim[2] != family and (claim[1] != host or _claim_alive(claim)):
                 return True
         return False
 
@@ -224,6 +233,12 @@ class DirectorySource:
 
 
 CLAIM = ".claimed-"
+
+
+def _claim_alive(claim: tuple[str, str, str, int]) -> bool:
+    """Whether the trainer behind a claim on this host lives (its family is its pid)."""
+    family, pid = claim[2], claim[3]
+    return pid_alive(int(family)) if family.isdigit() else pid_alive(pid)
 
 
 def _parse_claim(name: str) -> tuple[str, str, str, int] | None:

@@ -333,11 +333,13 @@ class StorageDataset(IterableDataset):
         tokens = [t for t, _ in group]
         try:
             out = self._load(filler, [s for _, s in group], in_worker)
-        except BaseException:
+        except Exception:
             self.source.fail(tokens)
             if writer is not None:
                 writer.dropped(item, tokens)
+            group.clear()  # settled: nothing to give back
             raise
+        # Anything else (KeyboardInterrupt, the worker stopping) leaves them taken: they go back.
         if out is _SKIP:
             self.source.fail(tokens)
             if writer is not None:

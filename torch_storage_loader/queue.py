@@ -23,13 +23,19 @@ class ProducerDiedError(StorageError, RuntimeError):
 
 
 class _End:
-    """End-of-stream marker; every consumer that reads it puts it back for the next one."""
+    """End-of-stream marker: the consumer that reads it marks the queue ended for all."""
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _End)
 
-    def __hash__(self) -> int:
-        return 0
+class _Returned:
+    """A handle given back by ``pid`` (see ``StorageQueue.give_back``)."""
+
+    __slots__ = ("storage", "pid")
+
+    def __init__(self, storage: Storage, pid: int) -> None:
+        self.storage, self.pid = storage, pid
+
+    def __reduce__(self):
+        return _Returned, (self.storage, self.pid)
 
 
 class StorageQueue:
@@ -37,9 +43,10 @@ class StorageQueue:
 
     Pass it to producer processes and to ``StorageDataset`` under any start method (fork, spawn,
     forkserver): it travels with the process that is being started. ``close()`` ends the stream:
-    consumers stop once it is drained. Producers that run ``with queue.producer():`` are watched:
-    if one dies without leaving the block, consumers get ``ProducerDiedError`` instead of waiting
-    forever.
+    consumers stop once it is drained, and once every handle given back (``give_back``, as a
+    stopped ``StorageDataset`` does) was taken again. Producers that run ``with queue.producer():``
+    are watched: if one dies without leaving the block, consumers get ``ProducerDiedError``
+    instead of waiting forever.
     """
 
     def __init__(self, maxsize: int = 0, *, mp_context: str | mp.context.BaseContext | None = None) -> None:
@@ -50,6 +57,8 @@ class StorageQueue:
         ctx = mp.get_context(mp_context or "spawn") if isinstance(mp_context, (str, type(None))) else mp_context
         self._queue = ctx.Queue(maxsize)
         self._producers = ctx.Array("q", MAX_PRODUCERS)  # pids of live producers; 0 = free
+        self._ended = ctx.Value("b", 0, lock=False)  # the end marker was read
+        self._returns = ctx.Array("q", 2 * MAX_PRODUCERS)  # (pid, handles given back and not yet taken)
 
     def put(self, storage: Storage, block: bool = True, timeout: float | None = None) -> None:
         if not isinstance(storage, Storage):
@@ -57,12 +66,45 @@ class StorageQueue:
         self._queue.put(storage, block, timeout)
 
     def close(self) -> None:
-        """End the stream: consumers stop once every handle put before it is taken.
-
-        Handles put after it (as a stopped ``StorageDataset`` gives back what it did not deliver)
-        are still taken by the consumers that come after.
-        """
+        """End the stream: consumers stop once every handle put before it is taken."""
         self._queue.put(_End())
+
+    def give_back(self, storages: list[Storage]) -> None:
+        """Put back handles taken and not used, to be taken again even after the stream ended.
+
+        Consumers wait for them at the end of the stream as long as this process lives.
+        """
+        if not storages:
+            return
+        pid = os.getpid()
+        with self._returns.get_lock():
+            pairs = self._returns
+            slot = next((i for i in range(0, len(pairs), 2) if pairs[i] == pid), None)
+            if slot is None:
+                slot = next(i for i in range(0, len(pairs), 2) if pairs[i + 1] == 0)
+                pairs[slot] = pid
+            pairs[slot + 1] += len(storages)
+        for s in storages:
+            self._queue.put(_Returned(s, pid))
+
+    def _took_back(self, pid: int) -> None:
+        with self._returns.get_lock():
+            pairs = self._returns
+            for i in range(0, len(pairs), 2):
+                if pairs[i] == pid and pairs[i + 1] > 0:
+                    pairs[i + 1] -= 1
+                    return
+
+    def _returns_pending(self) -> bool:
+        """Handles given back by live processes that nobody took yet (a dead one's are gone with it)."""
+        with self._returns.get_lock():
+            pairs = self._returns
+            for i in range(0, len(pairs), 2):
+                if pairs[i + 1] > 0:
+                    if pid_alive(pairs[i]):
+                        return True
+                    pairs[i + 1] = 0
+        return False
 
     def get(self, timeout: float | None = None) -> Storage | None:
         """The next handle, or ``None`` once the queue is closed and drained.
@@ -73,9 +115,15 @@ class StorageQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
+            if self._ended.value:
+                wait = min(wait, 0.02)
             try:
                 item = self._queue.get(timeout=wait)
             except _queue.Empty:
+                if self._ended.value:
+                    if not self._returns_pending():
+                        return None
+                    continue
                 dead = self.dead_producers()
                 if dead:
                     raise ProducerDiedError(
@@ -86,13 +134,11 @@ class StorageQueue:
                     raise
                 continue
             if isinstance(item, _End):
-                try:  # a handle a stopped DataLoader gave back after the end: deliver it first
-                    item = self._queue.get(timeout=0.05)
-                except _queue.Empty:
-                    item = None
-                self._queue.put(_End())
-                if item is None or isinstance(item, _End):
-                    return None
+                self._ended.value = 1
+                continue
+            if isinstance(item, _Returned):
+                self._took_back(item.pid)
+                return item.storage
             return item
 
     def __iter__(self) -> Iterator[Storage]:

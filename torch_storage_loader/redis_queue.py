@@ -77,14 +77,19 @@ if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[2], 'failed', #ARGV - 2) end
 return {acked, dups}
 """
 
-# Give entries back: acknowledge each still pending and append its record again, undelivered.
+# Give entries back: each still pending on a consumer of the family ARGV[2] (so not claimed by
+# another meanwhile) is acknowledged and its record appended again, undelivered.
 _RETURN = """
 local n = 0
-for i = 2, #ARGV do
-  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-  if #e > 0 and redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
-    n = n + 1
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and string.sub(p[1][2], 1, #ARGV[2]) == ARGV[2] then
+    local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    if #e > 0 then
+      redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+      n = n + 1
+    end
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[2], 'returned', n) end
@@ -549,15 +554,28 @@ class RedisStorageQueue:
             return False  # pending on another consumer: wait for its ack, or claim it after claim_after
         return all(t in self._outstanding for t in ours)  # the rest were read but their reply was lost
 
-    def give_back(self, *tokens: str) -> int:
-        """Make delivered entries undelivered again (appended anew), for any consumer; returns how many."""
+    def give_back(self, *tokens: str, family: str | None = None) -> int:
+        """Make delivered entries undelivered again (appended anew), for any consumer; returns how many.
+
+        Only entries still pending on this consumer (or, with ``family``, on a consumer named
+        ``FAMILY/...``) are given back: one claimed by another consumer meanwhile is theirs.
+        """
         if not tokens:
             return 0
         for t in tokens:
             self._outstanding.pop(t, None)
-        args = [self.group, *tokens]
+        args = [self.group, f"{family}/" if family else self.consumer, *tokens]
         return int(self._call(lambda c: self._scripts["return"](keys=[self.stream, self._k_stats], args=args),
                               "give entries back"))
+
+    def keep_alive(self, *tokens: str, family: str) -> None:
+        """Reset the idle time of delivered entries (held by ``family``'s trainer), so that no other
+        consumer claims them after ``claim_after`` while the trainer still means to use them."""
+        ids = list(tokens)
+        for i in range(0, len(ids), 1000):
+            chunk = ids[i:i + 1000]
+            self._call(lambda c: c.xclaim(self.stream, self.group, f"{family}/trainer", 0, chunk, justid=True),
+                       "keep delivered entries")
 
     def _finish(self) -> None:
         self.trim()
@@ -631,9 +649,13 @@ class RedisSource:
         q = self.queue
         if family:
             q._conn()  # per-process state first, then the name
-            q.family = f"{socket.gethostname()}-{family}"
+            q.family = _family(family)
             q.consumer = f"{q.family}/{os.getpid()}-{secrets.token_hex(3)}"
         yield from q
+
+    @property
+    def keep_alive_every(self) -> float:
+        return self.queue.claim_after / 3
 
     def ack(self, tokens: list) -> None:
         self.queue._ack(tokens, failed=False)
@@ -642,4 +664,15 @@ class RedisSource:
         self.queue._ack(tokens, failed=True)
 
     def give_back(self, tokens: list) -> None:
-        self.queue.give_back(*tokens)
+        self.queue.give_back(*tokens, family=self._family())
+
+    def keep_alive(self, tokens: list) -> None:
+        self.queue.keep_alive(*tokens, family=self._family())
+
+    def _family(self) -> str:
+        return self.queue.family or _family(str(os.getpid()))  # a worker's, else this trainer's
+
+
+def _family(trainer: str) -> str:
+    """Consumers named ``HOST-TRAINER/...`` read for one trainer process."""
+    return f"{socket.gethostname()}-{trainer}"

@@ -88,7 +88,8 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
     assert sorted(seen[0] + seen[1]) == list(range(24))
 
 
-def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_once(tmp_path):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_once(tmp_path, persistent):
     """Lightning fetches a batch ahead: the one fetched at max_steps goes back to the queue."""
     from torch_storage_loader import FileStorage
     from conftest import traj
@@ -99,7 +100,7 @@ def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_
         s.save(traj(i))
         q.put(s)
     q.close()
-    dm = StorageDataModule(q, batch_size=2, num_workers=2)
+    dm = StorageDataModule(q, batch_size=2, num_workers=2, persistent_workers=persistent)
     seen = []
     for max_steps in (5, 5, 5, -1):
         model = _helpers.tiny_model()
@@ -107,6 +108,7 @@ def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_
         dm.teardown("fit")
         seen += model.seen
     assert sorted(seen) == list(range(60)), "a sample was lost, or trained on twice"
+    assert q.get(timeout=5) is None, "the last batch was trained on, and given back too"
 
 
 def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):

@@ -111,6 +111,30 @@ def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_
     assert q.get(timeout=5) is None, "the last batch was trained on, and given back too"
 
 
+def test_unconfirmed_batches_beyond_two_count_as_used(tmp_path):
+    """A loop that never marks batches consumed (training_step(self, dataloader_iter)): at most the
+    two batches fetched last go back, so nothing is lost and at most two are seen twice."""
+    from conftest import traj
+    from torch_storage_loader import FileStorage, StorageDataset
+    from torch_storage_loader.lightning import _ConsumedStateLoader
+
+    q = StorageQueue()
+    for i in range(30):
+        s = FileStorage(tmp_path / f"{i:03d}.tsl")
+        s.save(traj(i))
+        q.put(s)
+    q.close()
+    loader = _ConsumedStateLoader(StorageDataset(q), confirm_delivery=True, batch_size=None, num_workers=2)
+    got = []
+    for k, sample in enumerate(loader):
+        got.append(int(sample["info"]["id"]))
+        if k == 9:
+            break
+    loader._iterator._shutdown_workers()
+    got += [int(s["info"]["id"]) for s in StorageDataset(q)]
+    assert sorted(set(got)) == list(range(30)) and len(got) == 32, sorted(got)
+
+
 def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     q = StorageQueue()
     producers = _helpers.start_producers(q, tmp_path, 20)

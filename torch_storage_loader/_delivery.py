@@ -37,6 +37,7 @@ from torch._utils import ExceptionWrapper
 logger = logging.getLogger("torch_storage_loader")
 
 TAKE, DROP = "take", "drop"
+MAX_UNCONFIRMED = 2
 
 
 class Ledger:
@@ -120,7 +121,10 @@ class Ledger:
                 ack = []
             elif self.confirm:
                 self._unconfirmed.append(key)
-                back, ack = [], []
+                back = []
+                # Lightning holds at most two (the batch it trains, the one fetched ahead); more means
+                # nothing confirms (a training_step taking dataloader_iter): treat older ones as used.
+                ack = self._pop([self._unconfirmed.popleft() for _ in range(len(self._unconfirmed) - MAX_UNCONFIRMED)])
             else:
                 back = []
                 ack = self._pop([k for k in self._taken if k[0] == worker and k[1] == self._incarnation

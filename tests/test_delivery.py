@@ -239,8 +239,8 @@ def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_serv
     from torch_storage_loader import RedisStorageQueue
 
     stream = f"s-{uuid.uuid4().hex[:8]}"
-    q = RedisStorageQueue(redis_server.url, stream, claim_after=1.0)
-    other = RedisStorageQueue(redis_server.url, stream, claim_after=1.0)
+    q = RedisStorageQueue(redis_server.url, stream, claim_after=2.0)
+    other = RedisStorageQueue(redis_server.url, stream, claim_after=2.0)
     theirs: list[int] = []
     try:
         for s in _save_all(tmp_path / "files", n=16):
@@ -249,15 +249,15 @@ def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_serv
         for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60):
             mine += _ids(item)
             if len(mine) == 2:  # another consumer comes, looking for idle entries to claim
-                for _ in range(40):
+                for _ in range(30):
                     try:
-                        token, storage = other.get(timeout=0.1)
+                        token, storage = other.get(timeout=0.2)
                     except Exception:
                         continue
                     theirs.append(int(os.path.basename(storage.path)[:4]))
                     other.ack(token)
                 q.close()
-            time.sleep(0.25)  # slower than claim_after for what the workers prefetched
+            time.sleep(0.5)  # what the workers prefetched (4 items) waits longer than claim_after
         assert sorted(mine + theirs) == list(range(16)), "claimed from a live trainer, and delivered twice"
         stats = q.stats()
         assert stats["claimed"] == 0 and stats["duplicates"] == 0, stats

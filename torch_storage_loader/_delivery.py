@@ -62,7 +62,10 @@ class Ledger:
         self._incarnation = 0
         self._closed = False
         self._lock = threading.Lock()
-        self._stop_r, self._stop_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()  # b"a": acknowledgements to send; b"x": stop
+        os.set_blocking(self._stop_w, False)  # a full pipe already holds a wake-up
+        self._acks: list = []  # delivered, to acknowledge from the thread (sources with slow acks)
+        self._ack_behind = bool(getattr(source, "ack_in_background", False))
         self._keep_every = getattr(source, "keep_alive_every", None)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
@@ -79,13 +82,19 @@ class Ledger:
             with self._lock:
                 live = [r for i, r in enumerate(self._readers) if i not in self._eof]
             ready = mp_connection.wait([*live, self._stop_r], timeout)
-            if self._stop_r in ready:
+            if self._stop_r in ready and b"x" in os.read(self._stop_r, 4096):
                 return
             with self._lock:
                 if self._closed:
                     return
                 self._drain()
                 held = [t for tokens in self._taken.values() for t in tokens]
+                acks, self._acks = self._acks, []
+            if acks:
+                try:
+                    self.source.ack(acks)
+                except Exception as exc:  # not acknowledged: redelivered after claim_after, counted
+                    logger.warning("could not acknowledge %d delivered handles: %s", len(acks), exc)
             if self._keep_every and time.monotonic() >= next_keep:
                 next_keep = time.monotonic() + self._keep_every
                 if held:
@@ -157,16 +166,17 @@ class Ledger:
             if self._closed:
                 return
             self._closed = True
-        os.write(self._stop_w, b"x")
+        _wake(self._stop_w, b"x")  # or, if the pipe is full, the thread finds _closed set
         self._thread.join()
         os.close(self._stop_r)
         os.close(self._stop_w)
         try:
             with self._lock:
                 self._drain()
-                ack = self._pop(list(self._unconfirmed)) if exhausted else []
+                ack = self._acks + (self._pop(list(self._unconfirmed)) if exhausted else [])
+                self._acks = []
                 back = self._pop(list(self._taken))
-            self._settle(ack, back)
+            self._settle(ack, back, now=True)
         finally:
             for r in self._readers:
                 r.close()
@@ -175,11 +185,22 @@ class Ledger:
     def _pop(self, keys: list) -> list:
         return [t for k in keys for t in self._taken.pop(k, ())]
 
-    def _settle(self, ack: list, back: list) -> None:
-        if ack:
+    def _settle(self, ack: list, back: list, now: bool = False) -> None:
+        if ack and self._ack_behind and not now:
+            with self._lock:
+                self._acks.extend(ack)
+            _wake(self._stop_w, b"a")  # off the trainer's thread: a round trip per item is too dear
+        elif ack:
             self.source.ack(ack)
         if back:
             self.source.give_back(back)
+
+
+def _wake(fd: int, what: bytes) -> None:
+    try:
+        os.write(fd, what)
+    except BlockingIOError:
+        pass
 
 
 class LedgerWriter:

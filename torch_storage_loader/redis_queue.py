@@ -653,6 +653,8 @@ class RedisSource:
             q.consumer = f"{q.family}/{os.getpid()}-{secrets.token_hex(3)}"
         yield from q
 
+    ack_in_background = True  # the trainer's ledger thread sends acknowledgements in batches
+
     @property
     def keep_alive_every(self) -> float:
         return self.queue.claim_after / 3

@@ -196,11 +196,14 @@ def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_se
         mine = [i for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
                 for i in _ids(item)]
         took = time.monotonic() - killed
-        assert sorted(theirs + mine) == list(range(200)), "lost, or delivered twice"
+        assert sorted(set(theirs + mine)) == list(range(200)), "an entry was lost"
         assert took < claim_after + 15, f"the dead trainer's entries took {took:.1f} s to come back"
         stats = q.stats()
+        # After a crash duplicates may happen (samples the killed trainer got, its acks not yet
+        # sent), and each is counted.
         assert stats["claimed"] > 0 and stats["duplicates"] == stats["claimed"], stats
-        assert stats["pending"] == 0 and stats["acked"] == 200
+        assert len(theirs + mine) - 200 <= stats["duplicates"], stats
+        assert stats["pending"] == 0
     finally:
         if other.is_alive():
             other.kill()

@@ -189,7 +189,6 @@ def test_producers_and_consumers_in_processes(redis_server):
         _join(consumers)
         everything = [p for g in got for p in g]
         assert sorted(everything) == sorted(f"/data/p{k}/{i:04d}.tsl" for k in range(3) for i in range(40))
-        assert all(got), "both consumers got entries"
         s = q.stats()
         assert (s["delivered"], s["acked"], s["duplicates"], s["pending"]) == (120, 120, 0, 0)
         assert q.dead_producers() == []

@@ -88,18 +88,24 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
     assert sorted(seen[0] + seen[1]) == list(range(24))
 
 
-@pytest.mark.parametrize("persistent", [True, False])
-def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_once(tmp_path, persistent):
-    """Lightning fetches a batch ahead: the one fetched at max_steps goes back to the queue."""
-    from torch_storage_loader import FileStorage
+def _closed_queue(tmp_path, n: int) -> StorageQueue:
+    """A closed StorageQueue of ``n`` saved trajectories tagged 0..n-1."""
     from conftest import traj
+    from torch_storage_loader import FileStorage
 
     q = StorageQueue()
-    for i in range(60):
+    for i in range(n):
         s = FileStorage(tmp_path / f"{i:03d}.tsl")
         s.save(traj(i))
         q.put(s)
     q.close()
+    return q
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_once(tmp_path, persistent):
+    """Lightning fetches a batch ahead: the one fetched at max_steps goes back to the queue."""
+    q = _closed_queue(tmp_path, 60)
     dm = StorageDataModule(q, batch_size=2, num_workers=2, persistent_workers=persistent)
     seen = []
     for max_steps in (5, 5, 5, -1):
@@ -114,16 +120,10 @@ def test_fit_stopped_at_max_steps_three_times_then_drained_trains_on_everything_
 def test_unconfirmed_batches_beyond_two_count_as_used(tmp_path):
     """A loop that never marks batches consumed (training_step(self, dataloader_iter)): at most the
     two batches fetched last go back, so nothing is lost and at most two are seen twice."""
-    from conftest import traj
-    from torch_storage_loader import FileStorage, StorageDataset
+    from torch_storage_loader import StorageDataset
     from torch_storage_loader.lightning import _ConsumedStateLoader
 
-    q = StorageQueue()
-    for i in range(30):
-        s = FileStorage(tmp_path / f"{i:03d}.tsl")
-        s.save(traj(i))
-        q.put(s)
-    q.close()
+    q = _closed_queue(tmp_path, 30)
     loader = _ConsumedStateLoader(StorageDataset(q), confirm_delivery=True, batch_size=None, num_workers=2)
     got = []
     for k, sample in enumerate(loader):

@@ -88,14 +88,15 @@ class Ledger:
                 if self._closed:
                     return
                 self._drain()
-                held = [t for tokens in self._taken.values() for t in tokens]
+                keep = bool(self._keep_every) and time.monotonic() >= next_keep
+                held = [t for tokens in self._taken.values() for t in tokens] if keep else []
                 acks, self._acks = self._acks, []
             if acks:
                 try:
                     self.source.ack(acks)
                 except Exception as exc:  # not acknowledged: redelivered after claim_after, counted
                     logger.warning("could not acknowledge %d delivered handles: %s", len(acks), exc)
-            if self._keep_every and time.monotonic() >= next_keep:
+            if keep:
                 next_keep = time.monotonic() + self._keep_every
                 if held:
                     try:

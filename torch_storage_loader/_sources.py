@@ -81,8 +81,9 @@ class ListSource:
 class QueueSource:
     """A ``StorageQueue``, or a ``queue.Queue`` / multiprocessing queue ending at a ``None``.
 
-    Handles a DataLoader took but did not deliver are put back (after the end marker, which every
-    consumer looks past: see ``StorageQueue.get``).
+    Handles a DataLoader took but did not deliver are put back: ``StorageQueue.give_back`` (its
+    consumers wait for them at the end of the stream), else after a plain queue's ``None``, which
+    consumers look past briefly.
     """
 
     finite = False

@@ -331,19 +331,21 @@ class StorageDataset(IterableDataset):
     def _load_stream(self, filler: SlotFiller, group: list, in_worker: bool,
                      writer: _delivery.LedgerWriter | None, item: int) -> Any:
         tokens = [t for t, _ in group]
-        try:
-            out = self._load(filler, [s for _, s in group], in_worker)
-        except Exception:
+
+        def failed() -> None:
             self.source.fail(tokens)
             if writer is not None:
                 writer.dropped(item, tokens)
+
+        try:
+            out = self._load(filler, [s for _, s in group], in_worker)
+        except Exception:
+            failed()
             group.clear()  # settled: nothing to give back
             raise
         # Anything else (KeyboardInterrupt, the worker stopping) leaves them taken: they go back.
         if out is _SKIP:
-            self.source.fail(tokens)
-            if writer is not None:
-                writer.dropped(item, tokens)
+            failed()
         elif writer is None:
             self.source.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
         return out

@@ -19,6 +19,7 @@ _EXPORTS = {
     "InsufficientSharedMemoryError": "errors",
     "LoadCancelledError": "errors",
     "LoaderStats": "loader",
+    "ObjectStorage": "storage",
     "PickleNotAllowedError": "errors",
     "ProducerDiedError": "queue",
     "RedisStorageQueue": "redis_queue",
@@ -32,9 +33,11 @@ _EXPORTS = {
     "StorageLoader": "loader",
     "StorageNotFoundError": "errors",
     "StorageQueue": "queue",
+    "StorageUnavailableError": "errors",
     "UnregisteredStorageTypeError": "errors",
     "UnsupportedLeafError": "errors",
     "WorkerDiedError": "errors",
+    "configure_object_store": "_objects",
     "end_directory_stream": "_sources",
     "register_storage_type": "_codec",
 }
@@ -58,13 +61,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .errors import (HandleRecordError, InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
                          RedisUnavailableError, SampleMismatchError, SampleTooLargeError, StorageCorruptError,
-                         StorageError, StorageNotFoundError, UnregisteredStorageTypeError, UnsupportedLeafError,
+                         StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
                          WorkerDiedError)
     from ._codec import register_storage_type
+    from ._objects import configure_object_store
     from ._sources import DirectorySource, end_directory_stream
     from .dataset import StorageDataset
     from .file_loader import FileStorageLoader
     from .queue import ProducerDiedError, StorageQueue
     from .redis_queue import RedisStorageQueue
     from .loader import LoaderStats, StorageLoader
-    from .storage import FileStorage, Storage
+    from .storage import FileStorage, ObjectStorage, Storage

@@ -13,7 +13,9 @@ import sys
 
 
 def add_clean_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", metavar="DIR", help="a directory FileStorageLoader saved into")
+    p.add_argument("directory", metavar="DIR", help="a directory FileStorageLoader saved into, or an object-store "
+                                                    "prefix (s3://bucket/prefix; credentials and endpoint from the "
+                                                    "environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
     p.add_argument("--older-than", type=float, required=True, metavar="SECONDS",
                    help="delete files last modified more than SECONDS ago (temporaries of writes in "
                         "progress only after at least 10 minutes)")
@@ -22,11 +24,12 @@ def add_clean_arguments(p: argparse.ArgumentParser) -> None:
 
 def clean(args: argparse.Namespace) -> int:
     from ._clean import expired_files, remove
+    from ._objects import is_url
 
     if args.older_than < 0:
         print(f"torch-storage-loader clean: error: --older-than must be >= 0, got {args.older_than}", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.directory):
+    if not is_url(args.directory) and not os.path.isdir(args.directory):
         print(f"torch-storage-loader clean: error: {args.directory!r} is not a directory", file=sys.stderr)
         return 1
     count = 0

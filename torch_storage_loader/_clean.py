@@ -5,7 +5,9 @@ and the temporaries ``_format.write`` renames into them (``.<that name>.<32 hex>
 else is never touched: other programs' files, files a ``DirectorySource`` consumer claimed
 (``*.tsl.claimed-*``), kept as ``*.tsl.loaded`` / ``*.tsl.failed``, or written under other names.
 Age is judged by mtime. A temporary is a file being written, so it only goes once older than
-``max(older_than, TMP_GRACE_S)``: by then its writer has died.
+``max(older_than, TMP_GRACE_S)``: by then its writer has died. On an object-store prefix
+(``s3://bucket/prefix``) the same names count, aged by the store's last-modified time; objects
+are published whole, so there are no temporaries there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import re
 import stat
 import time
+
+from . import _objects
 
 __all__ = ["TMP_GRACE_S", "expired_files", "is_ours", "remove"]
 
@@ -36,6 +40,9 @@ def expired_files(dirname: str | os.PathLike, older_than: float, *, now: float |
     """
     now = time.time() if now is None else now
     cutoff = now - older_than
+    if _objects.is_url(dirname):
+        return [e.url for e in sorted(_objects.listing(dirname), key=lambda e: e.mtime)
+                if _NAME.fullmatch(e.url.rsplit("/", 1)[-1]) and e.mtime <= cutoff]
     tmp_cutoff = now - max(older_than, TMP_GRACE_S)
     found: list[tuple[float, str]] = []
     try:
@@ -66,6 +73,8 @@ def expired_files(dirname: str | os.PathLike, older_than: float, *, now: float |
 
 def remove(path: str) -> bool:
     """Delete ``path``; False when it was gone already (another cleaner or a consumer took it)."""
+    if _objects.is_url(path):
+        return _objects.remove(path)
     try:
         os.remove(path)
     except FileNotFoundError:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import StorageCorruptError, StorageNotFoundError
 
-__all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "ReadOptions", "VERSION", "read_header", "read_into", "write"]
+__all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "ReadOptions", "VERSION", "read_header", "read_into", "serialize", "write"]
 
 MAGIC = b"TSLSTOR\x00"
 VERSION = 1
@@ -101,9 +101,8 @@ def layout(leaves: Sequence) -> tuple[tuple[ArrayEntry, ...], int]:
     return tuple(arrays), offset
 
 
-def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool = False) -> int:
-    """Write a file atomically (temporary name, then rename); returns its size in bytes."""
-    path = os.fspath(path)
+def serialize(spec: list, leaves: Sequence) -> tuple[list, int]:
+    """A file's bytes as a list of buffers (header, arrays, padding), and its size."""
     arrays, data_size = layout(leaves)
     header = json.dumps({"arrays": arrays, "tree": spec}, sort_keys=True, separators=(",", ":"),
                         allow_nan=False).encode()
@@ -116,6 +115,13 @@ def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool 
         pad = align(entry.offset + entry.nbytes) - (entry.offset + entry.nbytes)
         if pad:
             buffers.append(bytes(pad))
+    return buffers, data_offset + data_size
+
+
+def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool = False) -> int:
+    """Write a file atomically (temporary name, then rename); returns its size in bytes."""
+    path = os.fspath(path)
+    buffers, size = serialize(spec, leaves)
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -130,7 +136,7 @@ def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool 
             os.close(fd)
         os.unlink(tmp)
         raise
-    return data_offset + data_size
+    return size
 
 
 def _writev_all(fd: int, buffers: list) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Iterator
 
 import torch
 
+from . import _objects
+from ._prefix import PrefixSource
 from ._proc import pid_alive
 from .file_loader import SUFFIX
 from .queue import StorageQueue
@@ -141,10 +143,18 @@ class DirectorySource:
     the stream with ``end_directory_stream(path)``: consumers stop once the marker exists and no
     file is unclaimed or claimed by another live trainer. Producers should save with
     ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted before it is delivered.
+
+    ``path`` may be an object-store prefix (``s3://bucket/prefix``): the source is then a
+    ``PrefixSource``, which claims objects by conditional creation instead of renaming.
     """
 
     finite = False
     keep_alive_every = None
+
+    def __new__(cls, path: str | os.PathLike, **options: Any):
+        if cls is DirectorySource and _objects.is_url(os.fspath(path)):
+            return PrefixSource(os.fspath(path), **options)  # claims by conditional creation: see _prefix
+        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, delete_after_load: bool = True,
                  poll_interval: float = 0.05) -> None:
@@ -254,14 +264,17 @@ def _parse_claim(name: str) -> tuple[str, str, str, int] | None:
 
 
 def end_directory_stream(path: str | os.PathLike) -> None:
-    """Tell the consumers of a directory source that no more files will come."""
+    """Tell the consumers of a directory source (or object-store prefix) that no more files will come."""
+    if _objects.is_url(os.fspath(path)):
+        _objects.put(f"{os.fspath(path).rstrip('/')}/{END_OF_STREAM}", [b""])
+        return
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, END_OF_STREAM), "w"):
         pass
 
 
 def as_source(source: Any):
-    if isinstance(source, (ListSource, QueueSource, DirectorySource)):
+    if isinstance(source, (ListSource, QueueSource, DirectorySource, PrefixSource)):
         return source
     import sys
 

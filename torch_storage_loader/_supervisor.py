@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from ._shm import ENV_DIR, ShmSegment
 from ._slots import retire_rings
+from . import _objects
 from ._worker import SlotFiller
 from .errors import pack_exception, unpack_exception
 
@@ -153,10 +154,15 @@ def recv_fds(sock: socket.socket, n: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------- worker side
 def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str, max_rings: int = 8,
-               budget: int | None = None) -> None:
-    """A StorageLoader worker: answer each ``Load`` with ``Loaded`` or ``Failed`` until ``STOP`` or EOF."""
+               budget: int | None = None, object_stores: dict | None = None) -> None:
+    """A StorageLoader worker: answer each ``Load`` with ``Loaded`` or ``Failed`` until ``STOP`` or EOF.
+
+    ``object_stores``: the parent's object-store options (``_objects.snapshot()``), for ``ObjectStorage``.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     os.environ[ENV_DIR] = shm_directory
+    if object_stores:
+        _objects.apply(object_stores)
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     filler = SlotFiller(n_slots, slot_size_hint, max_rings=max_rings, budget=budget)
     try:
@@ -249,7 +255,8 @@ class WorkerPool:
         self._starting = parent  # a fork child closes its copy (see forget)
         try:
             proc = self._ctx.Process(
-                target=run_worker, args=(child, cfg.n_slots, 0, cfg.shm_directory, cfg.max_rings, cfg.budget),
+                target=run_worker,
+                args=(child, cfg.n_slots, 0, cfg.shm_directory, cfg.max_rings, cfg.budget, _objects.snapshot()),
                 name=f"tsl-loader-worker-{index}", daemon=True)
             proc.start()
         except BaseException:

@@ -10,12 +10,12 @@ import os
 import weakref
 from typing import Any, Callable
 
-from . import _format
+from . import _format, _objects
 from ._alloc import FillInfo, Lease, PrivateAllocator, SlotAllocator
 from ._format import ALIGN, Header, ReadOptions
 from ._batch import file_iovecs, plan
 from ._slots import CTRL, OneOffRef, SlotRef
-from .storage import FileStorage, Storage
+from .storage import FileStorage, ObjectStorage, Storage
 
 __all__ = ["FillInfo", "LocalFiller", "SlotFiller"]
 
@@ -42,7 +42,20 @@ class SlotFiller:
         opts = ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors)
         if _is_plain_file(storage):
             return self._fill_file(storage.path, opts)
+        if type(storage) is ObjectStorage:
+            return self._fill_remote(storage, opts)
         return self.fill_object(storage.load(), opts=opts, path=repr(storage))
+
+    def _fill_remote(self, storage: ObjectStorage, opts: ReadOptions) -> tuple[FillInfo, Any]:
+        # Ranged reads land in the slot: the client's buffers are the only copy on the way.
+        header, head = _objects.read_header(storage.path, storage.size, storage.version)
+        lease = self.alloc.lease(header.data_size, storage.path, opts)
+        try:
+            _objects.read_into(storage.path, lease.view, header.data_offset, storage.version, head)
+        except BaseException:
+            lease.abort()
+            raise
+        return lease.info, lease.commit(header)
 
     def _fill_file(self, path: str, opts: ReadOptions) -> tuple[FillInfo, Any]:
         fd = _format.open_storage(path)

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
-from . import _delivery
+from . import _delivery, _objects
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._shm import default_shm_budget
@@ -101,7 +101,10 @@ class StorageDataset(IterableDataset):
 
     ``source`` is a finite iterable of ``Storage`` handles (each delivered once per epoch, split
     across DataLoader workers and distributed ranks), a ``StorageQueue``, a ``queue.Queue`` or
-    multiprocessing queue ending at ``None``, or a directory a ``FileStorageLoader`` writes into.
+    multiprocessing queue ending at ``None``, or a directory (or object-store prefix, such as
+    ``s3://bucket/prefix``) a ``FileStorageLoader`` writes into. ``storage_options`` (given to
+    fsspec as they are) are for the object stores the handles, or that prefix, live in; they
+    reach the DataLoader workers, as does ``configure_object_store``'s configuration.
 
     Finite sources work like ``DistributedSampler``: ``shuffle=True`` draws a permutation of
     ``(seed, epoch)``, the same on every rank; every rank yields the same number of items
@@ -121,7 +124,7 @@ class StorageDataset(IterableDataset):
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, slots_per_worker: int = 4,
                  max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
-                 shuffle: bool = False, seed: int = 0) -> None:
+                 shuffle: bool = False, seed: int = 0, storage_options: dict | None = None) -> None:
         super().__init__()
         _delivery.install()  # again: torchdata's StatefulDataLoader may have been imported since
         if not isinstance(shuffle, bool):
@@ -142,6 +145,9 @@ class StorageDataset(IterableDataset):
             raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the size of /dev/shm")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+        if storage_options is not None:  # for the handles' object stores, or the prefix this streams from
+            _objects.configure_object_store(os.fspath(source) if _objects.is_url(source) else "*", storage_options)
+        self._object_stores = _objects.snapshot()  # reaches the DataLoader workers with the dataset
         self.source = as_source(source)
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -270,6 +276,8 @@ class StorageDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
+        if worker is not None and self._object_stores:
+            _objects.apply(self._object_stores)
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         self._own()
         rank, world = self._dist if self._dist is not None else _live_dist()

@@ -18,6 +18,7 @@ __all__ = [
     "StorageCorruptError",
     "StorageError",
     "StorageNotFoundError",
+    "StorageUnavailableError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "WorkerDiedError",
@@ -114,3 +115,7 @@ class UnregisteredStorageTypeError(StorageError, TypeError):
 
 class RedisUnavailableError(StorageError, ConnectionError):
     """Redis could not be reached (or refused the credentials) after retries. ``url`` has no password."""
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+    """An object store could not be reached, or refused access, after retries. ``url`` names the object."""

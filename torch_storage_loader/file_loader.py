@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import threading
 import time
@@ -11,9 +12,9 @@ import uuid
 import weakref
 from typing import Any
 
-from . import _clean
+from . import _clean, _objects
 from .loader import StorageLoader
-from .storage import FileStorage, Storage
+from .storage import FileStorage, ObjectStorage, Storage
 
 __all__ = ["FileStorageLoader", "new_file_name"]
 
@@ -32,7 +33,7 @@ _loaders_lock = threading.Lock()
 
 def _key(path: str) -> str:
     # Handles may spell a path differently (relative, "dir//name"); pin files by one spelling.
-    return os.path.abspath(path)
+    return path if _objects.is_url(path) else os.path.abspath(path)
 
 
 class FileStorageLoader(StorageLoader):
@@ -53,15 +54,29 @@ class FileStorageLoader(StorageLoader):
     loads the handles later). A process forked from one holding this loader never deletes the
     parent's files. ``python -m torch_storage_loader clean DIR --older-than SECONDS`` removes
     leftovers by hand.
+
+    ``dirname`` may be an object-store prefix, any fsspec URL (``s3://bucket/prefix``; ``file://``
+    is a local path): each sample is then one object, published whole, and ``save`` returns an
+    ``ObjectStorage``. ``storage_options`` go to fsspec as they are (for s3fs: ``key``, ``secret``,
+    ``endpoint_url``...) and reach the workers, never the handles; without them the client reads
+    the environment. ``retry_timeout`` bounds retries of transient errors (default 30 s). Expired
+    objects are found by listing the prefix (every 10 s at most) and aged by the store's clock.
     """
 
     def __init__(self, dirname: str | os.PathLike, ttl: float | None = 20, worker_num: int = 3, *,
                  allow_pickle: bool = False, fsync: bool = False, remove_on_shutdown: bool = False,
+                 storage_options: dict | None = None, retry_timeout: float | None = None,
                  **loader_options: Any) -> None:
         if ttl is not None and ttl <= 0:
             raise ValueError(f"{ttl=} must be > 0, or None to keep files forever")
+        dirname = os.fspath(dirname)
+        self.remote = _objects.is_url(dirname)
+        if not self.remote and (storage_options or retry_timeout is not None):
+            raise ValueError(f"storage_options and retry_timeout are for object-store URLs, not {dirname!r}")
+        if self.remote:
+            _objects.configure_object_store(dirname, storage_options, retry_timeout=retry_timeout)
         super().__init__(worker_num, **loader_options)
-        self.dirname = os.fspath(dirname)
+        self.dirname = dirname.rstrip("/") if self.remote else _objects.local_path(dirname)
         self.ttl = ttl
         self.allow_pickle = allow_pickle
         self.fsync = fsync
@@ -77,8 +92,15 @@ class FileStorageLoader(StorageLoader):
         self._cleaner: threading.Thread | None = None
         self._cleaner_stop = threading.Event()
 
-    def save(self, obj: Any) -> FileStorage:
-        """Write ``obj`` to a new file atomically and return its handle."""
+    def save(self, obj: Any) -> FileStorage | ObjectStorage:
+        """Write ``obj`` to a new file (or object) atomically and return its handle."""
+        if self.remote:
+            remote = ObjectStorage(f"{self.dirname}/{new_file_name()}", allow_pickle=self.allow_pickle)
+            remote.save(obj)
+            with self._files_lock:
+                self._files[remote.path] = [time.monotonic(), False, remote.path]
+                self._start_cleaner_locked()
+            return remote
         storage = FileStorage(os.path.join(self.dirname, new_file_name()), allow_pickle=self.allow_pickle)
         try:
             storage.save(obj, fsync=self.fsync)
@@ -126,12 +148,12 @@ class FileStorageLoader(StorageLoader):
 
     def _on_submit(self, storage: Storage) -> None:
         with self._files_lock:
-            if isinstance(storage, FileStorage):
+            if isinstance(storage, (FileStorage, ObjectStorage)):
                 self._busy[_key(storage.path)] += 1
             self._start_cleaner_locked()  # a loader that only loads cleans its directory too
 
     def _on_finish(self, storage: Storage) -> None:
-        if isinstance(storage, FileStorage):
+        if isinstance(storage, (FileStorage, ObjectStorage)):
             key = _key(storage.path)
             with self._files_lock:
                 self._busy[key] -= 1
@@ -186,8 +208,14 @@ class FileStorageLoader(StorageLoader):
 
     def _clean_loop(self, stop: threading.Event) -> None:
         period = min(1.0, self.ttl / 4)
+        scan_every = math.ceil(min(10.0, self.ttl) / period) if self.remote else 1  # listings cost requests
+        tick = 0
         while not stop.wait(period):
-            self.clean_expired()
+            tick += 1
+            if tick % scan_every:
+                self._clean_own()
+            else:
+                self.clean_expired()
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's files are the parent's; never delete them from here."""

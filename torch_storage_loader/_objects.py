@@ -1,0 +1,337 @@
+"""Object stores (``s3://``, ``gs://``, ``memory://``: any fsspec URL) as the home of payloads.
+
+Each process reads and writes with the options registered for a URL (``configure``: a loader's
+``storage_options``, which its workers receive with ``snapshot``/``apply``), else with the client's
+own defaults, which read the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
+Handles never carry credentials.
+
+Reads of ``s3://`` objects go through obstore when it is installed and the options translate to
+it (on these machines it reads 7 MB objects 1.5 to 2x faster than s3fs); everything else goes
+through fsspec. Transient failures are retried with exponential back-off for ``retry_timeout``
+seconds; then ``StorageUnavailableError`` names the URL and the endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+from . import _format
+from .errors import StorageCorruptError, StorageError, StorageNotFoundError, StorageUnavailableError
+
+__all__ = ["Config", "apply", "configure_object_store", "create_if_absent", "exists", "is_url", "listing", "put", "read_all", "read_header",
+           "read_into", "remove", "snapshot"]
+
+DEFAULT_RETRY_S = 30.0
+CHUNK = 8 << 20  # a large sample is read as ranges of this size, all in flight together
+_HEAD = 64 << 10  # the first read: the header, and the whole of a small sample
+
+
+class Config(NamedTuple):
+    storage_options: dict
+    retry_timeout: float
+
+
+_lock = threading.Lock()
+_config: dict[str, Config] = {}  # "proto://bucket", "proto" or "*" -> Config
+_stores: dict[tuple, Any] = {}  # (pid, "proto://bucket", options) -> obstore store
+
+
+def protocol(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names an object store rather than a local path (``file://`` is local)."""
+    return isinstance(path, str) and protocol(path) not in ("file", "local")
+
+
+def local_path(path: str) -> str:
+    return path.split("://", 1)[1] if isinstance(path, str) and protocol(path) in ("file", "local") and "://" in path \
+        else path
+
+
+def _root(url: str) -> str:
+    proto, rest = url.split("://", 1)
+    return f"{proto}://{rest.split('/', 1)[0]}"
+
+
+def configure_object_store(url: str, storage_options: dict | None = None, *,
+                           retry_timeout: float | None = None) -> None:
+    """Use ``storage_options`` (given to fsspec as they are: for s3fs ``key``, ``secret``,
+    ``endpoint_url``...) for objects under ``url``'s bucket, in this process and in the workers of
+    loaders and DataLoaders started after this call.
+
+    ``url`` may also be a bare protocol (``"s3"``) or ``"*"`` (every object store). Transient
+    errors are retried for ``retry_timeout`` seconds (default 30) before ``StorageUnavailableError``.
+    """
+    if retry_timeout is not None and retry_timeout <= 0:
+        raise ValueError(f"{retry_timeout=} must be > 0 seconds")
+    key = url if url == "*" or "://" not in url else _root(url)
+    with _lock:
+        _config[key] = Config(dict(storage_options or {}), DEFAULT_RETRY_S if retry_timeout is None else retry_timeout)
+
+
+def snapshot() -> dict[str, Config]:
+    """This process's configuration, to hand to a worker process (pickled; stays in our processes)."""
+    with _lock:
+        return dict(_config)
+
+
+def apply(config: dict[str, Config]) -> None:
+    with _lock:
+        _config.update(config)
+
+
+def _config_for(url: str) -> Config:
+    with _lock:
+        for key in (_root(url), protocol(url), "*"):
+            if key in _config:
+                return _config[key]
+    return Config({}, DEFAULT_RETRY_S)
+
+
+def filesystem(url: str):
+    import fsspec
+
+    return fsspec.filesystem(protocol(url), **_config_for(url).storage_options)  # cached per options and process
+
+
+# --------------------------------------------------------------------------------- retries
+def _kind(exc: BaseException) -> str:
+    name = type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, StorageError):
+        return "ours"
+    if isinstance(exc, FileNotFoundError) or name in ("NotFoundError", "NoSuchKey", "NoSuchBucket"):
+        return "missing"
+    if name == "PreconditionError" or "pre-condition" in text or "PreconditionFailed" in text:
+        return "changed"
+    if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError"):
+        return "denied"
+    if isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in (
+            "aiohttp", "botocore", "aiobotocore", "obstore", "urllib3", "requests"):
+        return "transient"
+    return "other"
+
+
+def _endpoint(url: str) -> str:
+    opts = _config_for(url).storage_options
+    return (opts.get("endpoint_url") or opts.get("client_kwargs", {}).get("endpoint_url")
+            or os.environ.get(f"AWS_ENDPOINT_URL_{protocol(url).upper()}") or os.environ.get("AWS_ENDPOINT_URL")
+            or f"the default {protocol(url)}:// endpoint")
+
+
+def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, retried on transient errors; client errors become ours, naming ``url``."""
+    delay, deadline = 0.05, None
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            kind = _kind(exc)
+            if kind == "missing":
+                raise StorageNotFoundError(
+                    f"{url}: no such object; it was deleted (a FileStorageLoader's ttl expired, or a consumer "
+                    "acknowledged it) or never written: raise ttl, or load before it expires", path=url) from None
+            if kind == "changed":
+                raise StorageCorruptError(f"{url}: the object was replaced after its handle was made (its "
+                                          "version tag differs); save the sample again", path=url) from None
+            if kind == "denied":
+                raise StorageUnavailableError(
+                    f"{url}: {what} was refused ({type(exc).__name__}: {exc}); check the credentials given as "
+                    "storage_options or in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+                    url=url) from None
+            if kind != "transient":
+                raise
+            timeout = _config_for(url).retry_timeout
+            now = time.monotonic()
+            deadline = now + timeout if deadline is None else deadline
+            if now + delay > deadline:
+                raise StorageUnavailableError(
+                    f"{url}: {what} kept failing for {timeout:g} s ({type(exc).__name__}: {exc}); is the object "
+                    f"store at {_endpoint(url)} running and reachable? (retry_timeout sets how long to retry)",
+                    url=url) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+# --------------------------------------------------------------------------------- obstore
+_S3_KEYS = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
+            "endpoint_url": "endpoint", "region_name": "region"}
+_S3_IGNORED = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "default_block_size",
+               "default_fill_cache", "default_cache_type", "asynchronous", "loop", "retries", "cache_regions",
+               "version_aware", "use_ssl"}
+
+
+def _obstore(url: str):
+    """An obstore store for ``url``'s bucket, or None (not S3, not installed, or options it cannot take)."""
+    if protocol(url) not in ("s3", "s3a"):
+        return None
+    opts = _config_for(url).storage_options
+    key = (os.getpid(), _root(url), repr(sorted(opts.items())))
+    with _lock:
+        if key in _stores:
+            return _stores[key]
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        store = None
+    else:
+        config: dict[str, Any] = {}
+        flat = dict(opts)
+        flat.update(flat.pop("client_kwargs", None) or {})
+        translatable = True
+        for k, v in flat.items():
+            if k in _S3_KEYS:
+                config[_S3_KEYS[k]] = v
+            elif k == "anon":
+                config["skip_signature"] = bool(v)
+            elif k not in _S3_IGNORED:
+                translatable = False  # an s3fs option obstore has no equivalent for: read through s3fs
+        store = _s3_store(S3Store, _root(url).split("://", 1)[1], config) if translatable else None
+    with _lock:
+        _stores[key] = store
+    return store
+
+
+def _s3_store(S3Store, bucket: str, config: dict):
+    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else {}
+    # A few quick retries in the client; longer outages are ``retrying``'s.
+    retry = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=5),
+             "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
+                         "max_backoff": datetime.timedelta(seconds=1), "base": 2}}
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+
+
+def _key(url: str) -> str:
+    return url.split("://", 1)[1].split("/", 1)[1]
+
+
+def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None) -> list:
+    store = _obstore(url)
+    if store is not None:
+        import obstore
+
+        def options(r):
+            return {"range": r, **({"if_match": version} if version else {})}
+
+        if len(ranges) == 1:
+            return [obstore.get(store, _key(url), options=options(ranges[0])).bytes()]
+
+        async def all_ranges():
+            async def one(r):
+                return await (await obstore.get_async(store, _key(url), options=options(r))).bytes_async()
+            return await asyncio.gather(*map(one, ranges))
+        return asyncio.run(all_ranges())
+    fs = filesystem(url)
+    if len(ranges) == 1:
+        return [fs.cat_file(url, start=ranges[0][0], end=ranges[0][1])]
+    return fs.cat_ranges([url] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+
+
+# ----------------------------------------------------------------------------- the format
+def read_header(url: str, size: int | None, version: str | None) -> tuple[_format.Header, memoryview]:
+    """The header of an object, and the bytes read so far (all of a small sample)."""
+    if size is None:
+        size = retrying(url, "reading the size", lambda: filesystem(url).size(url))
+    first = min(size, _HEAD) if size else _HEAD
+    raw = memoryview(retrying(url, "reading the header", _get_ranges, url, [(0, first)], version)[0])
+    if len(raw) < first:
+        raise _format._corrupt(url, f"object is truncated ({len(raw)} bytes, its handle says {size})")
+    header, need = _format.parse_header(raw, url, size)
+    if header is None:
+        raw = memoryview(bytes(raw) + retrying(url, "reading the header", _get_ranges, url,
+                                               [(len(raw), need)], version)[0])
+        header, _ = _format.parse_header(raw, url, size)
+    return header, raw
+
+
+def read_into(url: str, view: memoryview, offset: int, version: str | None, have: memoryview) -> None:
+    """Fill ``view`` with the object's bytes from ``offset``: first from ``have`` (bytes from 0), then
+    with ranged reads of ``CHUNK`` bytes, all in flight together."""
+    done = max(0, min(len(view), len(have) - offset))
+    view[:done] = have[offset: offset + done]
+    ranges = [(offset + s, offset + min(s + CHUNK, len(view))) for s in range(done, len(view), CHUNK)]
+    if not ranges:
+        return
+    parts = retrying(url, "reading", _get_ranges, url, ranges, version)
+    for (start, end), part in zip(ranges, parts):
+        part = memoryview(part)
+        if len(part) != end - start:
+            raise _format._corrupt(url, f"object shrank while it was read ({len(part)} of {end - start} bytes)")
+        view[start - offset: end - offset] = part
+
+
+def put(url: str, buffers: list) -> str | None:
+    """Publish one object whole (an object store shows a PUT only once complete); returns its version tag."""
+    data = b"".join(buffers)
+    response = retrying(url, "writing", filesystem(url).pipe_file, url, data)
+    etag = response.get("ETag") if isinstance(response, dict) else None
+    return etag.strip('"') if etag else None
+
+
+def create_if_absent(url: str, data: bytes) -> bool:
+    """Create ``url`` only if no object has its name (a conditional PUT); False if one does."""
+    try:
+        retrying(url, "claiming", filesystem(url).pipe_file, url, data, mode="create")
+    except (FileExistsError, StorageCorruptError):  # the store refused: the name is taken
+        return False
+    return True
+
+
+def exists(url: str) -> bool:
+    """Whether ``url`` exists now (asks the store; never a listing cache)."""
+    try:
+        retrying(url, "checking", filesystem(url).info, url, refresh=True)
+    except StorageNotFoundError:
+        return False
+    return True
+
+
+def read_all(url: str) -> bytes:
+    return retrying(url, "reading", filesystem(url).cat_file, url)
+
+
+def remove(url: str) -> bool:
+    try:
+        retrying(url, "deleting", filesystem(url).rm_file, url)
+    except StorageNotFoundError:
+        return False
+    return True
+
+
+class Entry(NamedTuple):
+    url: str
+    size: int
+    mtime: float  # seconds since the epoch, by the store's clock
+    version: str | None
+
+
+def listing(prefix: str) -> list[Entry]:
+    """The objects directly under ``prefix`` (fresh: never from a listing cache)."""
+    fs = filesystem(prefix)
+    proto = protocol(prefix)
+
+    def ls():
+        try:
+            return fs.ls(prefix, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+    out = []
+    for info in retrying(prefix, "listing", ls):
+        if info.get("type") != "file":
+            continue
+        modified = info.get("LastModified") or info.get("created") or info.get("mtime") or 0
+        mtime = modified.timestamp() if isinstance(modified, datetime.datetime) else float(modified)
+        etag = info.get("ETag")
+        name = info["name"]
+        out.append(Entry(name if "://" in name else f"{proto}://{name}", int(info.get("size") or 0), mtime,
+                         etag.strip('"') if etag else None))
+    return out

@@ -5,9 +5,10 @@ Each process reads and writes with the options registered for a URL (``configure
 own defaults, which read the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
 Handles never carry credentials.
 
-Reads of ``s3://`` objects go through obstore when it is installed and the options translate to
-it (on these machines it reads 7 MB objects 1.5 to 2x faster than s3fs); everything else goes
-through fsspec. Transient failures are retried with exponential back-off for ``retry_timeout``
+Loader and DataLoader workers read ``s3://`` objects through obstore when it is installed and
+the options translate to it (on these machines it reads 7 MB objects 1.5 to 2x faster than
+s3fs); everything else goes through fsspec. The trainer's own process never starts obstore's
+runtime, which a forked child (a DataLoader worker) could not use. Transient failures are retried with exponential back-off for ``retry_timeout``
 seconds; then ``StorageUnavailableError`` names the URL and the endpoint.
 """
 
@@ -24,7 +25,7 @@ from . import _format
 from .errors import StorageCorruptError, StorageError, StorageNotFoundError, StorageUnavailableError
 
 __all__ = ["Config", "apply", "configure_object_store", "create_if_absent", "exists", "is_url", "listing", "put", "read_all", "read_header",
-           "read_into", "remove", "snapshot"]
+           "read_into", "remove", "snapshot", "use_obstore_here"]
 
 DEFAULT_RETRY_S = 30.0
 CHUNK = 8 << 20  # a large sample is read as ranges of this size, all in flight together
@@ -111,7 +112,8 @@ def _kind(exc: BaseException) -> str:
         return "missing"
     if name == "PreconditionError" or "pre-condition" in text or "PreconditionFailed" in text:
         return "changed"
-    if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError"):
+    if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError",
+                                                    "NoCredentialsError", "PartialCredentialsError"):
         return "denied"
     if isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in (
             "aiohttp", "botocore", "aiobotocore", "obstore", "urllib3", "requests"):
@@ -168,10 +170,34 @@ _S3_IGNORED = {"skip_instance_cache", "use_listings_cache", "listings_expiry_tim
                "version_aware", "use_ssl"}
 
 
+# obstore's runtime does not survive fork: a forked child of a process that used it hangs in it.
+# So only worker processes use it (they opt in), and never one forked after obstore ran.
+_obstore_allowed = False
+_obstore_used = False
+_obstore_poisoned = False
+
+
+def use_obstore_here() -> None:
+    """Let this process (a loader or DataLoader worker) read ``s3://`` objects through obstore."""
+    global _obstore_allowed
+    _obstore_allowed = not _obstore_poisoned
+
+
+def _after_fork_in_child() -> None:
+    global _obstore_allowed, _obstore_poisoned
+    _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _obstore(url: str):
-    """An obstore store for ``url``'s bucket, or None (not S3, not installed, or options it cannot take)."""
-    if protocol(url) not in ("s3", "s3a"):
+    """An obstore store for ``url``'s bucket, or None (not S3, not a worker, not installed, or options
+    it cannot take)."""
+    global _obstore_used
+    if not _obstore_allowed or protocol(url) not in ("s3", "s3a"):
         return None
+    _obstore_used = True
     opts = _config_for(url).storage_options
     key = (os.getpid(), _root(url), repr(sorted(opts.items())))
     with _lock:

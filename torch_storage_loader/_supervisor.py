@@ -163,6 +163,7 @@ def run_worker(conn, n_slots: int, slot_size_hint: int, shm_directory: str, max_
     os.environ[ENV_DIR] = shm_directory
     if object_stores:
         _objects.apply(object_stores)
+    _objects.use_obstore_here()
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     filler = SlotFiller(n_slots, slot_size_hint, max_rings=max_rings, budget=budget)
     try:

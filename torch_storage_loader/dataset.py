@@ -276,8 +276,9 @@ class StorageDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
-        if worker is not None and self._object_stores:
+        if worker is not None:
             _objects.apply(self._object_stores)
+            _objects.use_obstore_here()
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         self._own()
         rank, world = self._dist if self._dist is not None else _live_dist()

@@ -58,8 +58,8 @@ class FileStorageLoader(StorageLoader):
     ``dirname`` may be an object-store prefix, any fsspec URL (``s3://bucket/prefix``; ``file://``
     is a local path): each sample is then one object, published whole, and ``save`` returns an
     ``ObjectStorage``. ``storage_options`` go to fsspec as they are (for s3fs: ``key``, ``secret``,
-    ``endpoint_url``...) and reach the workers, never the handles; without them the client reads
-    the environment. ``retry_timeout`` bounds retries of transient errors (default 30 s). Expired
+    ``endpoint_url``...) and reach the workers, never the handles; without them, what
+    ``configure_object_store`` set applies, else the client reads the environment. ``retry_timeout`` bounds retries of transient errors (default 30 s). Expired
     objects are found by listing the prefix (every 10 s at most) and aged by the store's clock.
     """
 
@@ -73,7 +73,7 @@ class FileStorageLoader(StorageLoader):
         self.remote = _objects.is_url(dirname)
         if not self.remote and (storage_options or retry_timeout is not None):
             raise ValueError(f"storage_options and retry_timeout are for object-store URLs, not {dirname!r}")
-        if self.remote:
+        if self.remote and (storage_options is not None or retry_timeout is not None):
             _objects.configure_object_store(dirname, storage_options, retry_timeout=retry_timeout)
         super().__init__(worker_num, **loader_options)
         self.dirname = dirname.rstrip("/") if self.remote else _objects.local_path(dirname)

@@ -1,0 +1,230 @@
+"""Payloads in object storage: ObjectStorage, FileStorageLoader and StorageDataset over s3:// against a
+real SeaweedFS S3 server (tests/_s3_server.py), plus file:// and memory://."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from torch.utils.data import DataLoader
+
+from _s3_server import _closing, fresh_s3_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
+from conftest import assert_same, traj
+from torch_storage_loader import (FileStorage, FileStorageLoader, ObjectStorage, StorageCorruptError,
+                                  StorageDataset, StorageNotFoundError, StorageUnavailableError,
+                                  configure_object_store, end_directory_stream)
+from torch_storage_loader import _objects
+
+
+def _tree(i: int, n: int) -> dict:
+    return {"obs": np.full((n, 64), i, np.float32), "act": torch.full((n,), i, dtype=torch.int64),
+            "tt": ttorch.Tensor({"a": torch.ones(3) * i}), "name": f"t{i}", "step": i}
+
+
+def test_roundtrip_through_loader_workers_small_and_chunked(s3_server, s3_bucket):
+    """Samples from 1 KB to over two read chunks come back exact, loaded into the workers' slots."""
+    sizes = [1, 100, 5_000, 2 * _objects.CHUNK // 256 + 7]  # the last spans three ranged reads
+    with FileStorageLoader(f"s3://{s3_bucket}/run", worker_num=2, storage_options=s3_server.storage_options) as loader:
+        samples = [_tree(i, n) for i, n in enumerate(sizes)]
+        handles = [loader.save(x) for x in samples]
+        assert all(type(h) is ObjectStorage and h.size > 0 and h.version for h in handles)
+        got = [f.result(timeout=60) for f in [loader.load_async(h) for h in handles]]
+        stats = loader.stats()
+    for x, y in zip(samples, got):
+        assert_same(x, y)
+    assert stats.slot_loads + stats.oversize == len(sizes) and stats.fallbacks == stats.errors == 0
+
+
+def test_handles_carry_no_credentials_and_load_in_a_fresh_process(s3_server, s3_bucket):
+    with FileStorageLoader(f"s3://{s3_bucket}/p", worker_num=1, storage_options=s3_server.storage_options) as loader:
+        handle = loader.save(traj(3))
+    blob = pickle.dumps(handle)
+    assert s3_server.SECRET.encode() not in blob and s3_server.endpoint.encode() not in blob
+    assert sorted(vars(handle)) == ["allow_pickle", "path", "size", "version"]
+    # Another process with nothing configured reads with the client's defaults: the environment.
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.KEY, "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
+           "AWS_ENDPOINT_URL": s3_server.endpoint}
+    code = ("import pickle, sys; x = pickle.loads(sys.stdin.buffer.read()).load(); "
+            "print(x['info']['id'], float(x['obs'].sum()))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, env=env, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.split() == [b"3", str(float(traj(3)["obs"].sum())).encode()]
+
+
+def test_dataloader_over_object_handles_with_workers(s3_server, s3_bucket):
+    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
+    handles = []
+    for i in range(12):
+        h = ObjectStorage(f"s3://{s3_bucket}/d/{i:03d}.tsl")
+        h.save(traj(i))
+        handles.append(h)
+    ds = StorageDataset(handles, storage_options=s3_server.storage_options)
+    ids = sorted(int(x["info"]["id"]) for x in DataLoader(ds, batch_size=None, num_workers=2))
+    assert ids == list(range(12))
+    batched = StorageDataset(handles, batch_size=4, storage_options=s3_server.storage_options)
+    batches = list(DataLoader(batched, batch_size=None, num_workers=2))
+    assert sorted(int(i) for b in batches for i in b["action"][:, 0]) == list(range(12))
+
+
+def test_missing_truncated_foreign_and_replaced_objects_name_the_url(s3_server, s3_bucket):
+    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options, retry_timeout=5)
+    good = ObjectStorage(f"s3://{s3_bucket}/good.tsl")
+    good.save(traj(1))
+    fs = _objects.filesystem(good.url)
+    raw = fs.cat_file(good.url)
+    fs.pipe_file(f"s3://{s3_bucket}/cut.tsl", raw[: len(raw) // 2])
+    fs.pipe_file(f"s3://{s3_bucket}/foreign.tsl", b"PK\x03\x04 not ours" * 100)
+
+    cases = {
+        "missing": (ObjectStorage(f"s3://{s3_bucket}/missing.tsl"), StorageNotFoundError, "no such object"),
+        "truncated": (ObjectStorage(f"s3://{s3_bucket}/cut.tsl"), StorageCorruptError, "truncated"),
+        "truncated, size from the handle": (ObjectStorage(f"s3://{s3_bucket}/cut.tsl", size=len(raw)),
+                                            StorageCorruptError, "truncated"),
+        "foreign": (ObjectStorage(f"s3://{s3_bucket}/foreign.tsl"), StorageCorruptError, "not a torch_storage_loader"),
+    }
+    with FileStorageLoader(f"s3://{s3_bucket}/x", worker_num=1) as loader:
+        for what, (handle, error, text) in cases.items():
+            for load in (handle.load, lambda: loader.load_async(handle).result(timeout=60)):
+                with pytest.raises(error, match=text) as info:
+                    load()
+                assert handle.url in str(info.value), what
+        # Replaced after its handle was made: the version tag no longer matches.
+        fs.pipe_file(good.url, raw)  # same bytes, new upload: the ETag of a single PUT is its MD5
+        ObjectStorage(good.url).save(traj(2))
+        with pytest.raises(StorageCorruptError, match="replaced"):
+            loader.load_async(good).result(timeout=60)
+        assert ObjectStorage(good.url).load()["info"]["id"] == 2
+
+
+def test_ttl_cleans_the_prefix_and_clean_command_takes_a_prefix(s3_server, s3_bucket):
+    prefix = f"s3://{s3_bucket}/ttl"
+    with FileStorageLoader(prefix, ttl=1, worker_num=1, storage_options=s3_server.storage_options) as loader:
+        fs = _objects.filesystem(prefix)
+        fs.pipe_file(f"{prefix}/notes.txt", b"not ours")
+        kept = [loader.save(traj(i)) for i in range(3)]
+        deadline = time.monotonic() + 15
+        while loader.stats().expired < 3 and time.monotonic() < deadline:  # the cleaner thread's work
+            time.sleep(0.1)
+        assert loader.stats().expired == 3
+    names = [e.url.rsplit("/", 1)[-1] for e in _objects.listing(prefix)]
+    assert names == ["notes.txt"] and not any(_objects.exists(h.url) for h in kept)
+
+    # Left by a producer that is gone: the command deletes by the store's last-modified time.
+    for i in range(2):
+        ObjectStorage(f"{prefix}/{_new_name()}").save(traj(i))
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.KEY, "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
+           "AWS_ENDPOINT_URL": s3_server.endpoint}
+    run = [sys.executable, "-m", "torch_storage_loader", "clean", prefix, "--older-than", "0"]
+    dry = subprocess.run(run + ["--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and "would remove 2 files" in dry.stdout, dry.stdout + dry.stderr
+    done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "removed 2 files" in done.stdout, done.stdout + done.stderr
+    assert [e.url.rsplit("/", 1)[-1] for e in _objects.listing(prefix)] == ["notes.txt"]
+
+
+def _new_name() -> str:
+    from torch_storage_loader.file_loader import new_file_name
+
+    return new_file_name()
+
+
+def test_prefix_stream_stops_early_then_drains_exactly_once(s3_server, s3_bucket):
+    """A DataLoader stopped early gives its claims back; claims of a dead trainer come back too."""
+    prefix = f"s3://{s3_bucket}/stream"
+    with FileStorageLoader(prefix, ttl=None, worker_num=1, storage_options=s3_server.storage_options) as loader:
+        handles = [loader.save(traj(i)) for i in range(40)]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = handles[-1].url + ".claim"
+    _objects.put(orphan, [f'{{"host": "{os.uname().nodename}", "family": "{dead.pid}", "pid": {dead.pid}}}'.encode()])
+    end_directory_stream(prefix)
+    seen = []
+    for round_ in range(3):
+        ds = StorageDataset(prefix, storage_options=s3_server.storage_options)
+        for k, x in enumerate(DataLoader(ds, batch_size=None, num_workers=2)):
+            seen.append(int(x["info"]["id"]))
+            if k == 5:
+                break
+    ds = StorageDataset(prefix, storage_options=s3_server.storage_options)
+    seen += [int(x["info"]["id"]) for x in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert sorted(seen) == list(range(40))
+    assert [e.url.rsplit("/", 1)[-1] for e in _objects.listing(prefix)] == ["_END_OF_STREAM"]
+
+
+def test_prefix_claims_are_exclusive_between_consumers(s3_server, s3_bucket):
+    prefix = f"s3://{s3_bucket}/race"
+    configure_object_store(prefix, s3_server.storage_options)
+    names = [f"{prefix}/{_new_name()}" for _ in range(30)]
+    for i, url in enumerate(names):
+        ObjectStorage(url).save(traj(i))
+    wins = [0] * len(names)
+
+    def claim_all():
+        for i, url in enumerate(names):
+            if _objects.create_if_absent(url + ".claim", b"{}"):
+                wins[i] += 1
+    threads = [threading.Thread(target=claim_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wins == [1] * len(names)
+
+
+def test_a_server_that_is_gone_gives_a_clear_error(fresh_s3_server):
+    server = fresh_s3_server()
+    bucket = server.make_bucket()
+    configure_object_store(f"s3://{bucket}", server.storage_options, retry_timeout=2)
+    handle = ObjectStorage(f"s3://{bucket}/x.tsl")
+    handle.save(traj(0))
+    server.stop()
+    start = time.monotonic()
+    with pytest.raises(StorageUnavailableError) as info:
+        handle.load()
+    assert time.monotonic() - start < 30
+    assert handle.url in str(info.value) and server.endpoint in str(info.value) and "running" in str(info.value)
+    with pytest.raises(StorageUnavailableError, match="retry_timeout"):
+        ObjectStorage(f"s3://{bucket}/y.tsl").save(traj(1))
+
+
+def test_loads_ride_out_a_server_restart(fresh_s3_server):
+    server = fresh_s3_server()
+    bucket = server.make_bucket()
+    with FileStorageLoader(f"s3://{bucket}/r", worker_num=2, storage_options=server.storage_options,
+                           retry_timeout=90) as loader:
+        handles = [loader.save(traj(i)) for i in range(10)]
+        assert loader.load_async(handles[0]).result(timeout=60)["info"]["id"] == 0  # workers up, clients made
+        server.stop()
+        futures = [loader.load_async(h) for h in handles]
+        time.sleep(1.0)  # the loads are failing and being retried meanwhile
+        server.start()
+        assert [f.result(timeout=120)["info"]["id"] for f in futures] == list(range(10))
+
+
+def test_file_and_memory_urls(tmp_path):
+    with FileStorageLoader(f"file://{tmp_path}/store", worker_num=1) as loader:
+        h = loader.save(traj(5))
+        assert type(h) is FileStorage and h.path.startswith(str(tmp_path))
+        assert loader.load_async(h).result(timeout=60)["info"]["id"] == 5
+    url = f"memory://tsl-{uuid.uuid4().hex[:8]}/a.tsl"
+    m = ObjectStorage(url)
+    m.save(traj(6))
+    assert m.size == os.path.getsize(h.path) and m.load()["info"]["id"] == 6
+    ids = [int(x["info"]["id"]) for x in DataLoader(StorageDataset([m, m]), batch_size=None, num_workers=0)]
+    assert ids == [6, 6]
+    _objects.remove(url)
+    with pytest.raises(StorageNotFoundError, match=url):
+        m.load()
+    with pytest.raises(ValueError, match="not an object-store URL"):
+        ObjectStorage(str(tmp_path / "x.tsl"))
+    with pytest.raises(ValueError, match="storage_options"):
+        FileStorageLoader(tmp_path, storage_options={"key": "k"})

@@ -32,11 +32,17 @@ def clean(args: argparse.Namespace) -> int:
     if not is_url(args.directory) and not os.path.isdir(args.directory):
         print(f"torch-storage-loader clean: error: {args.directory!r} is not a directory", file=sys.stderr)
         return 1
+    from .errors import StorageError
+
     count = 0
-    for path in expired_files(args.directory, args.older_than):
-        if args.dry_run or remove(path):  # one that vanished meanwhile was someone else's to delete
-            print(("would remove " if args.dry_run else "removed ") + path)
-            count += 1
+    try:
+        for path in expired_files(args.directory, args.older_than):
+            if args.dry_run or remove(path):  # one that vanished meanwhile was someone else's to delete
+                print(("would remove " if args.dry_run else "removed ") + path)
+                count += 1
+    except StorageError as exc:  # an object store that cannot be reached, or refuses the credentials
+        print(f"torch-storage-loader clean: error: {exc}", file=sys.stderr)
+        return 1
     print(f"{'would remove' if args.dry_run else 'removed'} {count} file{'' if count == 1 else 's'} "
           f"older than {args.older_than:g} s from {args.directory}")
     return 0

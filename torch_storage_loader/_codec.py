@@ -1,7 +1,7 @@
 """Storage handles as small JSON records, for queues that cross the network (never pickles).
 
 A record is ``{"type": "FileStorage", "fields": {...}}``: the name of an allow-listed ``Storage``
-class and the handle's attributes (JSON values only). ``FileStorage`` is allowed by default; users
+class and the handle's attributes (JSON values only). ``FileStorage`` and ``ObjectStorage`` are allowed by default; users
 allow their own classes with ``register_storage_type(cls)`` (also usable as a class decorator) in
 every process that puts or gets them. Anything else is refused on both ends.
 """
@@ -13,19 +13,19 @@ import threading
 from typing import Any
 
 from .errors import HandleRecordError, UnregisteredStorageTypeError
-from .storage import FileStorage, Storage
+from .storage import FileStorage, ObjectStorage, Storage
 
 __all__ = ["decode", "encode", "register_storage_type", "registered_storage_types"]
 
 MAX_RECORD_BYTES = 64 * 1024  # a handle is a path and a few options; anything larger is not one
 
 _lock = threading.Lock()
-_REGISTRY: dict[str, type[Storage]] = {"FileStorage": FileStorage}
+_REGISTRY: dict[str, type[Storage]] = {"FileStorage": FileStorage, "ObjectStorage": ObjectStorage}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
 def _type_name(cls: type) -> str:
-    return "FileStorage" if cls is FileStorage else f"{cls.__module__}.{cls.__qualname__}"
+    return cls.__name__ if cls in (FileStorage, ObjectStorage) else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register_storage_type(cls: type[Storage]) -> type[Storage]:
@@ -124,8 +124,8 @@ def decode(raw: bytes | str, *, allow_pickle: bool = False) -> Storage:
         raise HandleRecordError(f"a {name} record asks for allow_pickle=True; refused, since the file it "
                                 "names would be unpickled. Pass allow_pickle=True to the queue if every producer "
                                 "is trusted")
-    if cls is FileStorage and not isinstance(fields.get("path"), str):
-        raise HandleRecordError(f"a FileStorage record needs a string 'path', got {fields.get('path')!r}")
+    if cls in (FileStorage, ObjectStorage) and not isinstance(fields.get("path"), str):
+        raise HandleRecordError(f"a {name} record needs a string 'path', got {fields.get('path')!r}")
     storage = cls.__new__(cls)
     storage.__dict__.update(fields)
     return storage

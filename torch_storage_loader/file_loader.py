@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -13,10 +14,13 @@ import weakref
 from typing import Any
 
 from . import _clean, _objects
+from .errors import StorageError
 from .loader import StorageLoader
 from .storage import FileStorage, ObjectStorage, Storage
 
 __all__ = ["FileStorageLoader", "new_file_name"]
+
+_log = logging.getLogger(__name__)
 
 SUFFIX = ".tsl"
 
@@ -212,10 +216,13 @@ class FileStorageLoader(StorageLoader):
         tick = 0
         while not stop.wait(period):
             tick += 1
-            if tick % scan_every:
-                self._clean_own()
-            else:
-                self.clean_expired()
+            try:
+                if tick % scan_every:
+                    self._clean_own()
+                else:
+                    self.clean_expired()
+            except StorageError as exc:  # an object store out of reach: try again at the next tick
+                _log.warning("TTL clean-up of %s failed, will retry: %s", self.dirname, exc)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's files are the parent's; never delete them from here."""

@@ -151,8 +151,8 @@ class DirectorySource:
     finite = False
     keep_alive_every = None
 
-    def __new__(cls, path: str | os.PathLike, **options: Any):
-        if cls is DirectorySource and _objects.is_url(os.fspath(path)):
+    def __new__(cls, path: str | os.PathLike | None = None, **options: Any):  # None: unpickling
+        if cls is DirectorySource and path is not None and _objects.is_url(os.fspath(path)):
             return PrefixSource(os.fspath(path), **options)  # claims by conditional creation: see _prefix
         return super().__new__(cls)
 

@@ -3,8 +3,10 @@ real SeaweedFS S3 server (tests/_s3_server.py), plus file:// and memory://."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +19,7 @@ import torch
 import treetensor.torch as ttorch
 from torch.utils.data import DataLoader
 
-from _s3_server import _closing, fresh_s3_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
+from _s3_server import fresh_s3_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import assert_same, traj
 from torch_storage_loader import (FileStorage, FileStorageLoader, ObjectStorage, StorageCorruptError,
                                   StorageDataset, StorageNotFoundError, StorageUnavailableError,
@@ -228,3 +230,42 @@ def test_file_and_memory_urls(tmp_path):
         ObjectStorage(str(tmp_path / "x.tsl"))
     with pytest.raises(ValueError, match="storage_options"):
         FileStorageLoader(tmp_path, storage_options={"key": "k"})
+
+
+_USES_OBSTORE_ITSELF = """
+import json, sys
+import obstore
+from obstore.store import S3Store
+from torch.utils.data import DataLoader
+from torch_storage_loader import ObjectStorage, StorageDataset
+
+cfg = json.loads(sys.argv[1])
+opts = cfg["options"]
+store = S3Store(cfg["bucket"], endpoint=opts["endpoint_url"], access_key_id=opts["key"],
+                secret_access_key=opts["secret"], region="us-east-1", client_options={"allow_http": True})
+obstore.get(store, cfg["urls"][0].split("/", 3)[3]).bytes()  # the trainer's own use starts obstore's runtime
+ds = StorageDataset([ObjectStorage(u) for u in cfg["urls"]], storage_options=opts)
+loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+print(sorted(int(x["info"]["id"]) for x in loader))
+"""
+
+
+def test_workers_forked_from_a_trainer_that_uses_obstore_still_load(s3_server, s3_bucket):
+    """obstore's runtime hangs in a forked child: workers forked from a process that imported it read with s3fs."""
+    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
+    urls = []
+    for i in range(6):
+        h = ObjectStorage(f"s3://{s3_bucket}/f/{i}.tsl")
+        h.save(traj(i))
+        urls.append(h.url)
+    cfg = json.dumps({"options": s3_server.storage_options, "bucket": s3_bucket, "urls": urls})
+    proc = subprocess.Popen([sys.executable, "-c", _USES_OBSTORE_ITSELF, cfg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its hung workers too
+        proc.communicate()
+        pytest.fail("DataLoader workers forked from a process using obstore hung")
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert out.split(b"\n")[-2] == b"[0, 1, 2, 3, 4, 5]"

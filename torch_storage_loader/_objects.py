@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -171,7 +172,8 @@ _S3_IGNORED = {"skip_instance_cache", "use_listings_cache", "listings_expiry_tim
 
 
 # obstore's runtime does not survive fork: a forked child of a process that used it hangs in it.
-# So only worker processes use it (they opt in), and never one forked after obstore ran.
+# So only worker processes use it (they opt in), and never one forked from a process that had
+# imported it (the trainer never does, unless its own code uses obstore).
 _obstore_allowed = False
 _obstore_used = False
 _obstore_poisoned = False
@@ -185,7 +187,8 @@ def use_obstore_here() -> None:
 
 def _after_fork_in_child() -> None:
     global _obstore_allowed, _obstore_poisoned
-    _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used
+    # Imported by the parent (by this library in a worker, or by the user): its runtime may be running.
+    _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used or "obstore" in sys.modules
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -9,6 +9,8 @@ import pytest
 
 import _helpers
 from _redis_server import redis_server  # noqa: F401  (fixture)
+from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
+from conftest import traj
 from torch_storage_loader import StorageQueue
 from torch_storage_loader.lightning import StorageDataModule, StorageStatsCallback
 
@@ -59,6 +61,25 @@ def test_fit_streaming_source_fed_by_producers(tmp_path):
     assert set(model.seen) <= set(range(12)) | set(range(100, 112))
     dm.teardown("fit")
     q.close()
+
+
+def test_fit_from_an_object_store_prefix_keeps_credentials_out_of_checkpoints(tmp_path, s3_server, s3_bucket):
+    from torch_storage_loader import FileStorageLoader, end_directory_stream
+
+    prefix = f"s3://{s3_bucket}/fit"
+    with FileStorageLoader(prefix, ttl=None, worker_num=1, storage_options=s3_server.storage_options) as loader:
+        for i in range(12):
+            loader.save(traj(i))
+    end_directory_stream(prefix)
+    dm = StorageDataModule(prefix, batch_size=2, num_workers=2, storage_options=s3_server.storage_options)
+    model = _helpers.tiny_model()
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer(tmp_path, max_epochs=1, max_steps=-1, callbacks=[ckpt]).fit(model, datamodule=dm)
+    dm.teardown("fit")
+    assert sorted(model.seen) == list(range(12))
+    saved = (tmp_path / "ckpt" / "last.ckpt").read_bytes() + b"".join(
+        p.read_bytes() for p in (tmp_path / "logs").rglob("hparams.yaml"))
+    assert s3_server.SECRET.encode() not in saved and b"batch_size" in saved
 
 
 def test_resume_from_mid_epoch_checkpoint(tmp_path, handles):

@@ -78,13 +78,16 @@ class StorageDataModule(pl.LightningDataModule):
     ``batch_size`` batches inside the dataset (samples are stacked straight into shared memory).
     A finite source sizes Lightning's epochs (``len`` per rank, equal on every rank: see
     ``StorageDataset``); ``shuffle=True`` shuffles the train source with ``seed`` and the trainer's epoch.
+    ``storage_options`` are for object-store handles or prefixes (see ``StorageDataset``); they are
+    kept out of the saved hyperparameters.
     """
 
     def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
                  num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
                  pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
-                 multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0) -> None:
+                 multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0,
+                 storage_options: dict | None = None) -> None:
         super().__init__()
         if num_workers < 0:
             raise ValueError(f"{num_workers=} must be >= 0")
@@ -92,7 +95,9 @@ class StorageDataModule(pl.LightningDataModule):
             raise TypeError(f"{shuffle=} must be a bool")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"{seed=} must be an int")
-        self.save_hyperparameters(ignore=["source", "val_source", "collate_fn"])
+        # Credentials never reach hparams (logged, checkpointed).
+        self.save_hyperparameters(ignore=["source", "val_source", "collate_fn", "storage_options"])
+        self.storage_options = storage_options
         self.source = source
         self.val_source = val_source
         self.batch_size = batch_size
@@ -126,7 +131,8 @@ class StorageDataModule(pl.LightningDataModule):
         return StorageDataset(source, batch_size=self.batch_size, drop_last=self.drop_last,
                               collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
                               max_rings_per_worker=self.max_rings_per_worker,
-                              on_error=self.on_error, shuffle=shuffle, seed=self.seed)
+                              on_error=self.on_error, shuffle=shuffle, seed=self.seed,
+                              storage_options=self.storage_options)
 
     def _quiet_len_warning(self, on: bool) -> None:
         entry: Any = getattr(self, "_len_filter", None)

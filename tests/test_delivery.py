@@ -268,3 +268,26 @@ def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_serv
         q.delete()
         q.disconnect()
         other.disconnect()
+
+
+_ITERATOR_ALIVE_AT_EXIT = """
+import sys
+from torch.utils.data import DataLoader
+from torch_storage_loader import FileStorage, StorageDataset
+
+handles = [FileStorage(p) for p in sys.argv[1:]]
+it = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2))
+first = next(it)  # the iterator and its workers are still alive when the interpreter exits
+print(int(first["info"]["id"]))
+"""
+
+
+def test_an_iterator_alive_at_interpreter_exit_shuts_down_quietly(handles):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", _ITERATOR_ALIVE_AT_EXIT, *[h.path for h in handles[:6]]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "0"
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -284,9 +284,11 @@ def _hook(cls: type) -> None:
             ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
         return process(self, data, worker_idx, *args, **kwargs)
 
+    getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
+
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
-        exhausted = sys._getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
+        exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         try:
             shutdown(self)
         finally:

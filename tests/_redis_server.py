@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 def _read(path: str) -> str:
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             return f.read()
     except OSError:
         return ""

@@ -31,6 +31,8 @@ import uuid
 
 import pytest
 
+from _redis_server import _gone, _read  # the same process and log helpers
+
 WEED = shutil.which("weed") or shutil.which("weed", path=os.path.dirname(sys.executable))
 GRPC_OFFSET = 10000  # weed serves each component's gRPC on its HTTP port + 10000
 
@@ -55,22 +57,6 @@ def _free_ports(n: int) -> list[int]:
         if _free(p) and _free(p + GRPC_OFFSET):
             ports.append(p)
     return ports
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def close_fs(fs) -> None:

@@ -62,13 +62,18 @@ def test_handles_carry_no_credentials_and_load_in_a_fresh_process(s3_server, s3_
     assert out.stdout.split() == [b"3", str(float(traj(3)["obs"].sum())).encode()]
 
 
-def test_dataloader_over_object_handles_with_workers(s3_server, s3_bucket):
-    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
+def _saved(server, bucket: str, folder: str, n: int) -> list[ObjectStorage]:
+    """``n`` trajectories saved as objects ``s3://bucket/folder/000.tsl``..., with options configured here."""
+    configure_object_store(f"s3://{bucket}", server.storage_options)
     handles = []
-    for i in range(12):
-        h = ObjectStorage(f"s3://{s3_bucket}/d/{i:03d}.tsl")
-        h.save(traj(i))
-        handles.append(h)
+    for i in range(n):
+        handles.append(ObjectStorage(f"s3://{bucket}/{folder}/{i:03d}.tsl"))
+        handles[-1].save(traj(i))
+    return handles
+
+
+def test_dataloader_over_object_handles_with_workers(s3_server, s3_bucket):
+    handles = _saved(s3_server, s3_bucket, "d", 12)
     ds = StorageDataset(handles, storage_options=s3_server.storage_options)
     ids = sorted(int(x["info"]["id"]) for x in DataLoader(ds, batch_size=None, num_workers=2))
     assert ids == list(range(12))
@@ -252,12 +257,7 @@ print(sorted(int(x["info"]["id"]) for x in loader))
 
 def test_workers_forked_from_a_trainer_that_uses_obstore_still_load(s3_server, s3_bucket):
     """obstore's runtime hangs in a forked child: workers forked from a process that imported it read with s3fs."""
-    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
-    urls = []
-    for i in range(6):
-        h = ObjectStorage(f"s3://{s3_bucket}/f/{i}.tsl")
-        h.save(traj(i))
-        urls.append(h.url)
+    urls = [h.url for h in _saved(s3_server, s3_bucket, "f", 6)]
     cfg = json.dumps({"options": s3_server.storage_options, "bucket": s3_bucket, "urls": urls})
     proc = subprocess.Popen([sys.executable, "-c", _USES_OBSTORE_ITSELF, cfg], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)

@@ -175,11 +175,11 @@ def test_prefix_claims_are_exclusive_between_consumers(s3_server, s3_bucket):
         ObjectStorage(url).save(traj(i))
     wins = [0] * len(names)
 
-    def claim_all():
+    def claim_all(k):
         for i, url in enumerate(names):
-            if _objects.create_if_absent(url + ".claim", b"{}"):
+            if _objects.create_if_absent(url + ".claim", f'{{"consumer": {k}}}'.encode()):  # bodies differ, as claims do
                 wins[i] += 1
-    threads = [threading.Thread(target=claim_all) for _ in range(4)]
+    threads = [threading.Thread(target=claim_all, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -269,3 +269,39 @@ def test_workers_forked_from_a_trainer_that_uses_obstore_still_load(s3_server, s
         pytest.fail("DataLoader workers forked from a process using obstore hung")
     assert proc.returncode == 0, err.decode()[-3000:]
     assert out.split(b"\n")[-2] == b"[0, 1, 2, 3, 4, 5]"
+
+
+def test_claims_survive_a_lost_reply_and_refusals_are_not_retried():
+    """A conditional PUT retried after its reply was lost finds its own claim; a taken name fails fast."""
+    url = f"memory://tsl-{uuid.uuid4().hex[:8]}/a.tsl.claim"
+    configure_object_store(url, {}, retry_timeout=30)
+    assert _objects.create_if_absent(url, b'{"nonce": "1"}')
+    start = time.monotonic()
+    assert _objects.create_if_absent(url, b'{"nonce": "1"}')  # ours: the first reply was lost
+    assert not _objects.create_if_absent(url, b'{"nonce": "2"}')  # another consumer's
+    assert time.monotonic() - start < 5  # refused at once, not retried for retry_timeout
+    _objects.remove(url)
+
+
+def test_chunked_reads_of_a_missing_object_name_it(tmp_path):
+    url = f"memory://tsl-{uuid.uuid4().hex[:8]}/gone.tsl"
+    view = memoryview(bytearray(2 * _objects.CHUNK + 5))
+    with pytest.raises(StorageNotFoundError, match=url):
+        _objects.read_into(url, view, 0, None, memoryview(b""))
+
+
+def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server, s3_bucket):
+    from torch_storage_loader import HandleRecordError, _codec
+
+    configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
+    with FileStorageLoader(f"s3://{s3_bucket}/m", worker_num=1, retry_timeout=60) as loader:
+        h = loader.save(traj(4))  # the options set before still apply: retry_timeout alone changed
+        assert loader.load_async(h).result(timeout=60)["info"]["id"] == 4
+    assert _objects._config_for(h.url) == _objects.Config(s3_server.storage_options, 60)
+    assert s3_server.SECRET not in repr(_objects.snapshot())
+    assert _codec.decode(_codec.encode(h)) == h
+    with pytest.raises(HandleRecordError, match="not on an object store"):
+        _codec.decode(_codec.encode(ObjectStorage("http://127.0.0.1:1/x.tsl")))
+    with pytest.raises(StorageNotFoundError, match="does not exist"):
+        missing = f"s3://nobucket-{uuid.uuid4().hex[:8]}/p"
+        next(iter(DataLoader(StorageDataset(missing, storage_options=s3_server.storage_options), batch_size=None)))

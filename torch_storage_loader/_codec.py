@@ -12,6 +12,7 @@ import json
 import threading
 from typing import Any
 
+from . import _objects
 from .errors import HandleRecordError, UnregisteredStorageTypeError
 from .storage import FileStorage, ObjectStorage, Storage
 
@@ -126,6 +127,9 @@ def decode(raw: bytes | str, *, allow_pickle: bool = False) -> Storage:
                                 "is trusted")
     if cls in (FileStorage, ObjectStorage) and not isinstance(fields.get("path"), str):
         raise HandleRecordError(f"a {name} record needs a string 'path', got {fields.get('path')!r}")
+    if cls is ObjectStorage and not (_objects.is_url(fields["path"]) and _objects.known_store(fields["path"])):
+        raise HandleRecordError(f"an ObjectStorage record names {fields['path']!r}, which is not on an object store "
+                                "(s3://, gs://, az://) nor one configured with configure_object_store(url); refused")
     storage = cls.__new__(cls)
     storage.__dict__.update(fields)
     return storage

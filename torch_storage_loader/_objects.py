@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import errno
 import os
 import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+import logging
+
 from . import _format
 from .errors import StorageCorruptError, StorageError, StorageNotFoundError, StorageUnavailableError
 
-__all__ = ["Config", "apply", "configure_object_store", "create_if_absent", "exists", "is_url", "listing", "put", "read_all", "read_header",
+__all__ = ["Config", "apply", "configure_object_store", "create_if_absent", "exists", "is_url", "known_store", "listing", "put", "read_all", "read_header",
            "read_into", "remove", "snapshot", "use_obstore_here"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 30.0
 CHUNK = 8 << 20  # a large sample is read as ranges of this size, all in flight together
@@ -36,6 +41,9 @@ _HEAD = 64 << 10  # the first read: the header, and the whole of a small sample
 class Config(NamedTuple):
     storage_options: dict
     retry_timeout: float
+
+    def __repr__(self) -> str:  # options hold credentials: never print them
+        return f"Config(storage_options=<{len(self.storage_options)} options>, retry_timeout={self.retry_timeout})"
 
 
 _lock = threading.Lock()
@@ -68,14 +76,18 @@ def configure_object_store(url: str, storage_options: dict | None = None, *,
     ``endpoint_url``...) for objects under ``url``'s bucket, in this process and in the workers of
     loaders and DataLoaders started after this call.
 
-    ``url`` may also be a bare protocol (``"s3"``) or ``"*"`` (every object store). Transient
-    errors are retried for ``retry_timeout`` seconds (default 30) before ``StorageUnavailableError``.
+    ``url`` may also be a bare protocol (``"s3"``) or ``"*"`` (every object store); the most
+    specific entry applies. Transient errors are retried for ``retry_timeout`` seconds (default 30)
+    before ``StorageUnavailableError``. Either argument left as None keeps what was set before.
     """
     if retry_timeout is not None and retry_timeout <= 0:
         raise ValueError(f"{retry_timeout=} must be > 0 seconds")
     key = url if url == "*" or "://" not in url else _root(url)
     with _lock:
-        _config[key] = Config(dict(storage_options or {}), DEFAULT_RETRY_S if retry_timeout is None else retry_timeout)
+        old = _config.get(key)
+        options = dict(storage_options) if storage_options is not None else (old.storage_options if old else {})
+        timeout = retry_timeout if retry_timeout is not None else (old.retry_timeout if old else DEFAULT_RETRY_S)
+        _config[key] = Config(options, timeout)
 
 
 def snapshot() -> dict[str, Config]:
@@ -84,9 +96,12 @@ def snapshot() -> dict[str, Config]:
         return dict(_config)
 
 
-def apply(config: dict[str, Config]) -> None:
+def apply(config: dict[str, Config], *, overwrite: bool = True) -> None:
+    """Register a snapshot; ``overwrite=False`` keeps what this process has (a forked child's is newer)."""
     with _lock:
-        _config.update(config)
+        for key, value in config.items():
+            if overwrite or key not in _config:
+                _config[key] = value
 
 
 def _config_for(url: str) -> Config:
@@ -109,6 +124,8 @@ def _kind(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, StorageError):
         return "ours"
+    if isinstance(exc, FileExistsError) or name == "AlreadyExistsError":
+        return "exists"
     if isinstance(exc, FileNotFoundError) or name in ("NotFoundError", "NoSuchKey", "NoSuchBucket"):
         return "missing"
     if name == "PreconditionError" or "pre-condition" in text or "PreconditionFailed" in text:
@@ -116,6 +133,9 @@ def _kind(exc: BaseException) -> str:
     if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError",
                                                     "NoCredentialsError", "PartialCredentialsError"):
         return "denied"
+    if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ERANGE) \
+            or name in ("NotSupportedError", "NotImplementedError", "InvalidPathError"):
+        return "other"  # a request the store refuses (bad range, unsupported feature): retrying cannot help
     if isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in (
             "aiohttp", "botocore", "aiobotocore", "obstore", "urllib3", "requests"):
         return "transient"
@@ -149,6 +169,8 @@ def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> An
                     f"{url}: {what} was refused ({type(exc).__name__}: {exc}); check the credentials given as "
                     "storage_options or in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
                     url=url) from None
+            if kind == "exists":
+                raise FileExistsError(f"{url}: an object has this name already") from None
             if kind != "transient":
                 raise
             timeout = _config_for(url).retry_timeout
@@ -206,14 +228,15 @@ def _obstore(url: str):
     with _lock:
         if key in _stores:
             return _stores[key]
+    store = None
     try:
         from obstore.store import S3Store
     except ImportError:
-        store = None
+        pass
     else:
         config: dict[str, Any] = {}
-        flat = dict(opts)
-        flat.update(flat.pop("client_kwargs", None) or {})
+        flat = {k: v for k, v in opts.items() if v is not None}
+        flat.update({k: v for k, v in (flat.pop("client_kwargs", None) or {}).items() if v is not None})
         translatable = True
         for k, v in flat.items():
             if k in _S3_KEYS:
@@ -222,7 +245,14 @@ def _obstore(url: str):
                 config["skip_signature"] = bool(v)
             elif k not in _S3_IGNORED:
                 translatable = False  # an s3fs option obstore has no equivalent for: read through s3fs
-        store = _s3_store(S3Store, _root(url).split("://", 1)[1], config) if translatable else None
+        # obstore reads credentials from options and AWS_* variables only, not from ~/.aws profiles,
+        # SSO or credential processes as botocore does: leave those setups to s3fs.
+        explicit = "access_key_id" in config or config.get("skip_signature") or os.environ.get("AWS_ACCESS_KEY_ID")
+        if translatable and explicit:
+            try:
+                store = _s3_store(S3Store, _root(url).split("://", 1)[1], config)
+            except Exception as exc:  # options obstore rejects: s3fs reads instead
+                logger.debug("obstore cannot read %s (%s): reading through s3fs", _root(url), exc)
     with _lock:
         _stores[key] = store
     return store
@@ -262,7 +292,7 @@ def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None) ->
     fs = filesystem(url)
     if len(ranges) == 1:
         return [fs.cat_file(url, start=ranges[0][0], end=ranges[0][1])]
-    return fs.cat_ranges([url] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+    return fs.cat_ranges([url] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="raise")
 
 
 # ----------------------------------------------------------------------------- the format
@@ -307,11 +337,18 @@ def put(url: str, buffers: list) -> str | None:
 
 
 def create_if_absent(url: str, data: bytes) -> bool:
-    """Create ``url`` only if no object has its name (a conditional PUT); False if one does."""
+    """Create ``url`` only if no object has its name (a conditional PUT); False if one does.
+
+    ``data`` should be unique to the caller: a PUT that succeeded but whose reply was lost is
+    retried, refused, and then recognised by reading the object back.
+    """
     try:
         retrying(url, "claiming", filesystem(url).pipe_file, url, data, mode="create")
     except (FileExistsError, StorageCorruptError):  # the store refused: the name is taken
-        return False
+        try:
+            return read_all(url) == data
+        except StorageNotFoundError:
+            return False  # taken, then released meanwhile: the next listing offers it again
     return True
 
 
@@ -336,6 +373,19 @@ def remove(url: str) -> bool:
     return True
 
 
+_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def known_store(url: str) -> bool:
+    """Whether ``url`` is on an object store (an S3-like protocol) or one configured in this process;
+    handles from the network name only those, so that a queue's writer cannot send workers to
+    arbitrary ``http://``, ``ftp://`` or ``sftp://`` addresses."""
+    if protocol(url) in _BUCKETED:
+        return True
+    with _lock:
+        return _root(url) in _config or protocol(url) in _config
+
+
 class Entry(NamedTuple):
     url: str
     size: int
@@ -352,7 +402,10 @@ def listing(prefix: str) -> list[Entry]:
         try:
             return fs.ls(prefix, detail=True, refresh=True)
         except FileNotFoundError:
-            return []
+            if proto in _BUCKETED and not fs.exists(_root(prefix)):
+                raise StorageNotFoundError(f"{prefix}: bucket {_root(prefix)} does not exist; create it, or "
+                                           "check the URL", path=prefix) from None
+            return []  # nothing under the prefix yet
     out = []
     for info in retrying(prefix, "listing", ls):
         if info.get("type") != "file":

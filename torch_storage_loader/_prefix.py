@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import time
 from typing import Iterator
@@ -37,6 +38,7 @@ class PrefixSource:
 
     finite = False
     keep_alive_every = None
+    ack_in_background = True  # two requests per delivered sample: off the trainer's thread
 
     def __init__(self, url: str, *, delete_after_load: bool = True, poll_interval: float = 0.2) -> None:
         if poll_interval <= 0:
@@ -50,7 +52,7 @@ class PrefixSource:
 
         host = socket.gethostname()
         family = family or str(os.getpid())
-        body = json.dumps({"host": host, "family": family, "pid": os.getpid()}).encode()
+        owner = {"host": host, "family": family, "pid": os.getpid()}
         while True:
             entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
             ended = END_OF_STREAM in entries
@@ -67,11 +69,13 @@ class PrefixSource:
                     return
                 time.sleep(self.poll_interval)
                 continue
-            for entry in unclaimed:
+            start = shard * len(unclaimed) // max(1, num_shards)  # consumers start apart: fewer lost races
+            for entry in unclaimed[start:] + unclaimed[:start]:
+                body = json.dumps({**owner, "nonce": secrets.token_hex(8)}).encode()
                 if not _objects.create_if_absent(entry.url + CLAIM, body):
                     continue  # another consumer won it
-                if not _objects.exists(entry.url):
-                    _objects.remove(entry.url + CLAIM)  # delivered and deleted since our listing
+                if not _objects.exists(entry.url) or any(_objects.exists(entry.url + m) for m in (FAILED, LOADED)):
+                    _objects.remove(entry.url + CLAIM)  # settled by another consumer since our listing
                     continue
                 yield entry.url, ObjectStorage(entry.url, size=entry.size, version=entry.version)
 

@@ -196,6 +196,7 @@ class StorageDataset(IterableDataset):
         self._own()
         state = self.__dict__.copy()
         state["_filler"], state["_filler_pid"], state["_writer"] = None, 0, None
+        state["_object_stores"] = {**self._object_stores, **_objects.snapshot()}  # as configured now
         if state["_dist"] is None:
             state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
         return state
@@ -277,7 +278,7 @@ class StorageDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
         if worker is not None:
-            _objects.apply(self._object_stores)
+            _objects.apply(self._object_stores, overwrite=False)  # a forked worker's own is as new
             _objects.use_obstore_here()
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         self._own()

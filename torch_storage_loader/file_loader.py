@@ -14,7 +14,6 @@ import weakref
 from typing import Any
 
 from . import _clean, _objects
-from .errors import StorageError
 from .loader import StorageLoader
 from .storage import FileStorage, ObjectStorage, Storage
 
@@ -173,7 +172,7 @@ class FileStorageLoader(StorageLoader):
             return 0
         cutoff = time.monotonic() - self.ttl
         doomed = []
-        with self._files_lock:  # deleted under the lock: a load cannot pin a file being deleted
+        with self._files_lock:  # local files go under the lock: a load cannot pin a file being deleted
             for key, (saved_at, loaded, path) in self._files.items():
                 if saved_at > cutoff:
                     break
@@ -181,6 +180,10 @@ class FileStorageLoader(StorageLoader):
                     doomed.append((key, loaded, path))
             for key, _, path in doomed:
                 del self._files[key]
+                if not self.remote:
+                    _clean.remove(path)
+        if self.remote:  # requests that may be retried for long: never under the lock saves and loads need
+            for _, _, path in doomed:
                 _clean.remove(path)
         if doomed:
             with self._lock:
@@ -197,6 +200,7 @@ class FileStorageLoader(StorageLoader):
         with _loaders_lock:
             loaders = sorted(_loaders, key=id)
         removed = 0
+        doomed = []
         with contextlib.ExitStack() as stack:
             for loader in loaders:  # always in the same order: no deadlock between two scans
                 stack.enter_context(loader._files_lock)
@@ -204,7 +208,11 @@ class FileStorageLoader(StorageLoader):
                 key = _key(path)
                 if any(key in loader._files or loader._busy[key] for loader in loaders):
                     continue
-                removed += _clean.remove(path)
+                if self.remote:
+                    doomed.append(path)
+                else:
+                    removed += _clean.remove(path)
+        removed += sum(_clean.remove(path) for path in doomed)  # object stores: outside the locks
         if removed:
             with self._lock:
                 self._counts["expired"] += removed
@@ -221,7 +229,7 @@ class FileStorageLoader(StorageLoader):
                     self._clean_own()
                 else:
                     self.clean_expired()
-            except StorageError as exc:  # an object store out of reach: try again at the next tick
+            except Exception as exc:  # e.g. an object store out of reach: try again at the next tick
                 _log.warning("TTL clean-up of %s failed, will retry: %s", self.dirname, exc)
 
     def _after_fork_in_child(self) -> None:

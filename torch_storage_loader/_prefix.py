@@ -53,13 +53,14 @@ class PrefixSource:
         host = socket.gethostname()
         family = family or str(os.getpid())
         owner = {"host": host, "family": family, "pid": os.getpid()}
+        owners: dict[tuple, dict] = {}  # (claim URL, version) -> its body: each claim is read once
         while True:
             entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
             ended = END_OF_STREAM in entries
             unclaimed = [e for name, e in sorted(entries.items()) if name.endswith(SUFFIX)
                          and not any(name + m in entries for m in (CLAIM, FAILED, LOADED))]
             if not unclaimed:
-                claims = self._claims(entries)
+                claims = self._claims(entries, owners)
                 if self._reclaim_dead(claims, host):
                     continue
                 if ended and any(c.get("family") != family and (c.get("host") != host or _alive(c))
@@ -79,15 +80,22 @@ class PrefixSource:
                     continue
                 yield entry.url, ObjectStorage(entry.url, size=entry.size, version=entry.version)
 
-    def _claims(self, entries: dict) -> dict[str, dict]:
-        """The owners of the claims among ``entries``, by claim URL (claims that vanish are skipped)."""
-        out = {}
+    def _claims(self, entries: dict, owners: dict[tuple, dict]) -> dict[str, dict]:
+        """The owners of the claims among ``entries``, by claim URL (claims that vanish are skipped);
+        ``owners`` caches the bodies read before."""
+        out, seen = {}, set()
         for name, entry in entries.items():
             if name.endswith(CLAIM) and name[: -len(CLAIM)] in entries:
-                try:
-                    out[entry.url] = json.loads(_objects.read_all(entry.url))
-                except (ValueError, StorageNotFoundError):
-                    continue
+                key = (entry.url, entry.version, entry.mtime)
+                seen.add(key)
+                if key not in owners:
+                    try:
+                        owners[key] = json.loads(_objects.read_all(entry.url))
+                    except (ValueError, StorageNotFoundError):
+                        continue
+                out[entry.url] = owners[key]
+        for key in set(owners) - seen:
+            del owners[key]
         return out
 
     def _reclaim_dead(self, claims: dict[str, dict], host: str) -> int:

@@ -305,3 +305,25 @@ def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server,
     with pytest.raises(StorageNotFoundError, match="does not exist"):
         missing = f"s3://nobucket-{uuid.uuid4().hex[:8]}/p"
         next(iter(DataLoader(StorageDataset(missing, storage_options=s3_server.storage_options), batch_size=None)))
+
+
+_READS_THROUGH_OBSTORE = """
+import json, sys
+from torch_storage_loader import ObjectStorage, _objects
+
+cfg = json.loads(sys.argv[1])
+_objects.configure_object_store(cfg["url"], cfg["options"])
+_objects.use_obstore_here()  # as a loader or DataLoader worker does
+store = _objects._obstore(cfg["url"])
+print(type(store).__name__, ObjectStorage(cfg["url"], size=cfg["size"], version=cfg["version"]).load()["info"]["id"])
+"""
+
+
+def test_workers_read_s3_through_obstore_with_the_loaders_options(s3_server, s3_bucket):
+    """The s3fs options translate to an obstore store (else workers would fall back to s3fs quietly)."""
+    (h,) = _saved(s3_server, s3_bucket, "o", 1)
+    cfg = json.dumps({"url": h.url, "options": s3_server.storage_options, "size": h.size, "version": h.version})
+    out = subprocess.run([sys.executable, "-c", _READS_THROUGH_OBSTORE, cfg], capture_output=True, text=True,
+                         timeout=120)  # a process of its own: obstore must never start in this one
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["S3Store", "0"]

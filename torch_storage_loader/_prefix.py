@@ -17,7 +17,7 @@ import time
 from typing import Iterator
 
 from . import _objects
-from ._proc import pid_alive
+from ._proc import trainer_alive
 from .errors import StorageNotFoundError
 from .file_loader import SUFFIX
 from .storage import ObjectStorage, Storage
@@ -124,5 +124,4 @@ class PrefixSource:
 
 
 def _alive(owner: dict) -> bool:
-    family = str(owner.get("family", ""))
-    return pid_alive(int(family)) if family.isdigit() else pid_alive(int(owner.get("pid", 0)))
+    return trainer_alive(str(owner.get("family", "")), int(owner.get("pid", 0)))

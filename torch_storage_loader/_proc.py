@@ -17,3 +17,8 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def trainer_alive(family: str, pid: int) -> bool:
+    """Whether the trainer behind a claim lives: its family is its pid (else the claiming process's)."""
+    return pid_alive(int(family)) if family.isdigit() else pid_alive(pid)

@@ -13,7 +13,7 @@ import torch
 
 from . import _objects
 from ._prefix import PrefixSource
-from ._proc import pid_alive
+from ._proc import trainer_alive
 from .file_loader import SUFFIX
 from .queue import StorageQueue
 from .storage import FileStorage, Storage
@@ -202,7 +202,7 @@ class DirectorySource:
         n = 0
         for name in names:
             claim = _parse_claim(name)
-            if claim is None or claim[1] != host or _claim_alive(claim):
+            if claim is None or claim[1] != host or trainer_alive(claim[2], claim[3]):
                 continue
             try:
                 os.rename(os.path.join(self.path, name), os.path.join(self.path, claim[0]))
@@ -214,7 +214,7 @@ class DirectorySource:
     def _claimed_by_others(self, names: list[str], host: str, family: str) -> bool:
         for name in names:
             claim = _parse_claim(name)
-            if claim is not None and claim[2] != family and (claim[1] != host or _claim_alive(claim)):
+            if claim is not None and claim[2] != family and (claim[1] != host or trainer_alive(claim[2], claim[3])):
                 return True
         return False
 
@@ -244,12 +244,6 @@ class DirectorySource:
 
 
 CLAIM = ".claimed-"
-
-
-def _claim_alive(claim: tuple[str, str, str, int]) -> bool:
-    """Whether the trainer behind a claim on this host lives (its family is its pid)."""
-    family, pid = claim[2], claim[3]
-    return pid_alive(int(family)) if family.isdigit() else pid_alive(pid)
 
 
 def _parse_claim(name: str) -> tuple[str, str, str, int] | None:

@@ -26,12 +26,15 @@ class SlotFiller:
     ``fill`` / ``fill_batch`` return ``(FillInfo, payload)``: the payload is a small picklable
     reference that unpickles, in the receiving process, into the sample backed by shared memory.
     ``budget`` bounds this worker's shared memory (default: half of the shm filesystem);
-    ``watch``: receivers forget this process's rings when it exits (DataLoader workers).
+    ``watch``: receivers forget this process's rings when it exits (DataLoader workers);
+    ``device``: receivers copy each sample to that device (see ``_device``).
     """
 
     def __init__(self, n_slots: int, slot_size_hint: int = 0, *, as_tensors: bool = False,
-                 max_rings: int = 8, budget: int | None = None, watch: bool = False) -> None:
+                 max_rings: int = 8, budget: int | None = None, watch: bool = False,
+                 device: str | None = None) -> None:
         self.as_tensors = as_tensors
+        self.device = device
         self.alloc: SlotAllocator | PrivateAllocator = SlotAllocator(
             n_slots, slot_size_hint, max_rings=max_rings, budget=budget, watch=watch)
         self._scratch = memoryview(bytearray(ALIGN))
@@ -39,7 +42,7 @@ class SlotFiller:
     # ------------------------------------------------------------------------- single samples
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
         """Load ``storage`` into a slot."""
-        opts = ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors)
+        opts = ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors, self.device)
         if _is_plain_file(storage):
             return self._fill_file(storage.path, opts)
         if type(storage) is ObjectStorage:
@@ -82,7 +85,7 @@ class SlotFiller:
     # -------------------------------------------------------------------------------- batches
     def fill_batch(self, storages: list[Storage], collate_fn: Callable | None = None) -> tuple[FillInfo, Any]:
         """Stack samples into one slot (leaves gain a leading batch dimension), or collate them."""
-        opts = ReadOptions(any(getattr(s, "allow_pickle", False) for s in storages), self.as_tensors)
+        opts = ReadOptions(any(getattr(s, "allow_pickle", False) for s in storages), self.as_tensors, self.device)
         names = [repr(s) for s in storages]
         if collate_fn is None and all(_is_plain_file(s) for s in storages):
             fds = []
@@ -181,7 +184,9 @@ def _is_plain_file(storage: Storage) -> bool:
 class LocalFiller(SlotFiller):
     """The same work in the consuming process itself (``num_workers=0``): private buffers, no slots."""
 
-    def __init__(self, n_slots: int = 1, slot_size_hint: int = 0, *, as_tensors: bool = False, **_: Any) -> None:
+    def __init__(self, n_slots: int = 1, slot_size_hint: int = 0, *, as_tensors: bool = False,
+                 device: str | None = None, **_: Any) -> None:
         self.as_tensors = as_tensors
+        self.device = device
         self.alloc = PrivateAllocator()
         self._scratch = memoryview(bytearray(ALIGN))

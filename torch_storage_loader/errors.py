@@ -14,7 +14,9 @@ __all__ = [
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
+    "SampleTooLargeForDeviceError",
     "ShmTransportError",
+    "SlotPinningWarning",
     "StorageCorruptError",
     "StorageError",
     "StorageNotFoundError",
@@ -119,3 +121,11 @@ class RedisUnavailableError(StorageError, ConnectionError):
 
 class StorageUnavailableError(StorageError, ConnectionError):
     """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+
+
+class SampleTooLargeForDeviceError(StorageError, MemoryError):
+    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large."""
+
+
+class SlotPinningWarning(RuntimeWarning):
+    """Shared-memory slots could not be page-locked for fast copies to the GPU; the message says why and how to fix it."""

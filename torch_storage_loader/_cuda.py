@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from . import _torch_internals
+from ._device import too_large
 from ._pinning import PinRefused
-from ._shm import _human
-from .errors import SampleTooLargeForDeviceError
 
 __all__ = ["CopyStage", "CudaAccelerator"]
 
@@ -114,10 +113,7 @@ class CopyStage:
             out = torch.empty(n, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device)
-            raise SampleTooLargeForDeviceError(
-                f"{path}: the sample needs {_human(n)} on {self.device}, which has {_human(free)} free of "
-                f"{_human(total)}: lower batch_size, free memory on the device, or pass device=None and move "
-                "what fits yourself", path=path, needed=n, free=free, device=str(self.device)) from None
+            raise too_large(path, n, self.device, free, total) from None
         out.copy_(torch.from_numpy(host), non_blocking=True)
         self.owned.append(out)
         return out

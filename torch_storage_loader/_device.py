@@ -23,10 +23,12 @@ import numpy as np
 import torch
 
 from . import _pinning
+from ._shm import _human
 from ._tree import (_L_ARRAY, _L_SCALAR, _L_TENSOR, _L_TORCH, _L_TORCH_EMPTY, _N_TREE, _N_VALUES, Plan,
                     _damaged, _treetensor_types)
+from .errors import SampleTooLargeForDeviceError
 
-__all__ = ["DeviceItem", "arrive", "deliver", "loader_device", "normalize", "receive_ahead", "to_device"]
+__all__ = ["DeviceItem", "arrive", "deliver", "loader_device", "normalize", "receive_ahead", "to_device", "too_large"]
 
 
 class DeviceItem:
@@ -48,6 +50,13 @@ class DeviceItem:
         _pinning.accelerator().consume(self.owned, self.event, self.device)
         self.owned = []
         return self.sample
+
+
+def too_large(path: str, nbytes: int, device: Any, free: int, total: int) -> SampleTooLargeForDeviceError:
+    return SampleTooLargeForDeviceError(
+        f"{path}: the sample needs {_human(nbytes)} on {device}, which has {_human(free)} free of {_human(total)}: "
+        "lower batch_size, free memory on the device, or pass device=None and move what fits yourself",
+        path=path, needed=nbytes, free=free, device=str(device))
 
 
 def normalize(device: Any) -> str | None:
@@ -108,7 +117,7 @@ def _recipe(plan: Plan) -> tuple[list, bool]:
             leaves.append((2, start, end, a, shape))
         else:
             leaves.append((3, code, start, end, a, shape))
-    values = _has_values(plan.tree) or any(r[0] == 1 for r in leaves)
+    values = _has_values(plan.tree)
     if len(_recipes) >= _MAX_RECIPES:
         _recipes.clear()
     _recipes[id(plan)] = (plan, leaves, values)
@@ -137,7 +146,7 @@ def _build(plan: Plan, host: np.ndarray, path: str, stage: Any) -> Any:
             if kind == 0:
                 add(dev[r[1]:r[2]].view(r[3]).view(r[4]))
             elif kind == 1:
-                add(torch.empty(r[4], dtype=r[3]))  # moved below, with the inline values
+                add(torch.empty(r[4], dtype=r[3], device=stage.device))
             elif kind == 2:
                 add(host[r[1]:r[2]].view(r[3]).reshape(r[4]).copy())  # the slot goes back: a copy
             else:
@@ -145,32 +154,31 @@ def _build(plan: Plan, host: np.ndarray, path: str, stage: Any) -> Any:
         sample = plan._walk(plan.tree, leaves)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
-    if values:
-        sample = _map_cpu_tensors(sample, stage.move)
+    if values:  # stacked inline scalars became host tensors: they go over too
+        base = dev.untyped_storage().data_ptr()
+        sample = _map_tensors(sample, lambda t: t if t.untyped_storage().data_ptr() == base else stage.move(t))
     return sample
 
 
-def _map_cpu_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     tx = type(x)
-    if tx is torch.Tensor:
-        return fn(x) if x.device.type == "cpu" else x
+    if tx is torch.Tensor or isinstance(x, torch.Tensor):
+        return fn(x)
     if tx is dict or tx is collections.OrderedDict:
-        return tx((k, _map_cpu_tensors(v, fn)) for k, v in x.items())
+        return tx((k, _map_tensors(v, fn)) for k, v in x.items())
     if tx is list:
-        return [_map_cpu_tensors(v, fn) for v in x]
+        return [_map_tensors(v, fn) for v in x]
     if tx is tuple:
-        return tuple(_map_cpu_tensors(v, fn) for v in x)
+        return tuple(_map_tensors(v, fn) for v in x)
     if tx in _treetensor_types():
-        return tx({k: _map_cpu_tensors(v, fn) for k, v in x.items()})
-    if isinstance(x, torch.Tensor):
-        return fn(x) if x.device.type == "cpu" else x
+        return tx({k: _map_tensors(v, fn) for k, v in x.items()})
     return x
 
 
 def to_device(obj: Any, device: str) -> Any:
     """Move every CPU tensor of ``obj`` (a batch a collate_fn of the user's made) to ``device``."""
     dev = torch.device(device)
-    return _map_cpu_tensors(obj, lambda t: t.to(dev))
+    return _map_tensors(obj, lambda t: t.to(dev) if t.device.type == "cpu" and dev.type != "cpu" else t)
 
 
 def arrive(item: Any, device: str) -> Any:

@@ -297,8 +297,20 @@ def _private(nbytes: int) -> np.ndarray:
 def plan_key(header: Header, opts: ReadOptions) -> bytes:
     """What a reference carries instead of its header: the receiver's key for a cached build plan
     (``_tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
-    sent it; pickling it here keeps torch out of the workers."""
-    return pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    sent it; pickling it here keeps torch out of the workers. Workers reuse one header object per
+    layout (``_worker._Layout``), so its key is made once, not per sample."""
+    hit = _plan_keys.get(id(header))
+    if hit is not None and hit[0] is header and hit[1] == opts:
+        return hit[2]
+    key = pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(_plan_keys) >= _MAX_PLAN_KEYS:
+        _plan_keys.clear()
+    _plan_keys[id(header)] = (header, opts, key)  # the header is kept: its id stays its own
+    return key
+
+
+_plan_keys: dict[int, tuple[Header, ReadOptions, bytes]] = {}
+_MAX_PLAN_KEYS = 64
 
 
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:

@@ -17,6 +17,7 @@ slot on the host before it is released; stacked inline scalars become device ten
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any, Callable
 
 import numpy as np
@@ -27,6 +28,8 @@ from ._shm import _human
 from ._tree import (_L_ARRAY, _L_SCALAR, _L_TENSOR, _L_TORCH, _L_TORCH_EMPTY, _N_TREE, _N_VALUES, Plan,
                     _damaged, _treetensor_types)
 from .errors import SampleTooLargeForDeviceError
+
+logger = logging.getLogger("torch_storage_loader")
 
 __all__ = ["DeviceItem", "arrive", "deliver", "loader_device", "normalize", "receive_ahead", "to_device", "too_large"]
 
@@ -212,6 +215,15 @@ def receive_ahead(loader: Any, device: str | None) -> Any:
     acc = _pinning.accelerator()
     if device is None or not getattr(acc, "pin_thread", False):
         return _Nothing()
-    from ._torch_internals import pin_thread_for
+    from ._torch_internals import pin_thread_for, pin_thread_unavailable
 
+    why = pin_thread_unavailable()
+    if why is not None:  # correct still, but each copy is issued when the trainer asks for its batch
+        if not _warned:
+            _warned.append(why)
+            logger.warning("device=: %s; batches are copied when the trainer asks for them, not ahead", why)
+        return _Nothing()
     return pin_thread_for(loader)
+
+
+_warned: list = []

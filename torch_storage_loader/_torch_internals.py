@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 __all__ = ["PinThreadUnavailable", "cuda_error_name", "gpu_sleep", "host_register", "host_unregister",
-           "pin_thread_for", "registration_api"]
+           "pin_thread_for", "pin_thread_unavailable", "registration_api"]
 
 # cudaHostRegisterPortable: page-locked for every CUDA context of the process, so that whichever
 # thread (and current device) unregisters it later, the registration is found.
@@ -116,7 +116,7 @@ class _PassThrough:
 
 
 @functools.cache
-def _pin_thread_ok() -> str | None:
+def pin_thread_unavailable() -> str | None:
     """Why ``pin_thread_for`` cannot be used with this torch (None: it can)."""
     try:
         from torch.utils.data import dataloader
@@ -140,7 +140,7 @@ def pin_thread_for(loader: Any) -> Iterator[None]:
     That thread unpickles the workers' results as they arrive, off the trainer's thread and ahead
     of it: the GPU path issues each batch's copy there. ``loader.pin_memory`` is restored after.
     """
-    why = _pin_thread_ok()
+    why = pin_thread_unavailable()
     if why is not None:
         raise PinThreadUnavailable(why)
     before = loader.pin_memory

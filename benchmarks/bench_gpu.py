@@ -320,10 +320,14 @@ def lightning_fits(handles, pickles, gpu_batch, repeats: int, steps: int, worker
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
     class Clock(pl.Callback):
-        skip = 10
+        skip = 10  # steps before the clock starts (workers started, caches warm)
+
+        def __init__(self):
+            self.seen = 0
 
         def on_train_batch_start(self, trainer, module, batch, i):
-            if i == self.skip:
+            self.seen += 1
+            if self.seen == self.skip + 1:
                 torch.cuda.synchronize()
                 self.t0 = time.perf_counter()
 

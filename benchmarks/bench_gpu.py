@@ -389,6 +389,8 @@ def table() -> str:
                          f"ms/batch, trainer fraction {r.get('trainer_fraction', '-')} |")
         elif s == "trainer_calibration":
             lines.append(f"| trainer: CNN step x{r['repeats']}, resident loop | {r['resident_ms_per_batch']} ms per batch |")
+        elif s == "error":
+            lines.append(f"| error in {r.get('in') or (r.get('path'), r.get('workers'))} | {r['error'][:200]} |")
         elif "skipped" in r:
             lines.append(f"| {s} | skipped: {r['skipped']} |")
         elif s == "lightning":
@@ -448,14 +450,14 @@ def main(argv: list[str] | None = None) -> None:
         if "ceilings" in only:
             h2d(args)
         if "one_worker" in only:
-            one_worker(handles, paths, args)
+            guarded(one_worker, handles, paths, args)
         if "files_to_gpu" in only:
-            files_to_gpu(handles, pickles, args, ceiling)
+            guarded(files_to_gpu, handles, pickles, args, ceiling)
         if "lightning" in only:
             if CUDA:
                 gpu_batch = to_gpu(next(iter(DataLoader(StorageDataset(handles[:4], batch_size=4), batch_size=None))))
                 repeats, _ = calibrate(gpu_batch, args.step_ms)
-                lightning_fits(handles, pickles, gpu_batch, repeats, args.fit_steps, args.fit_workers)
+                guarded(lightning_fits, handles, pickles, gpu_batch, repeats, args.fit_steps, args.fit_workers)
             else:
                 emit({"section": "lightning", "skipped": "no CUDA device"})
     finally:
@@ -463,6 +465,16 @@ def main(argv: list[str] | None = None) -> None:
     print(table(), flush=True)
     if OUT is not None:
         OUT.close()
+
+
+def guarded(section, *args) -> None:
+    try:
+        section(*args)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        emit({"section": "error", "in": section.__name__, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _memlock() -> str:
@@ -511,13 +523,17 @@ def files_to_gpu(handles, pickles, args, ceiling) -> None:
     for workers in args.workers:
         for kind in ("default", "ours_pin_thread", "ours_pinned", "ours_device"):
             set_pinning(kind)
-            dl = loader(kind, handles, pickles, workers)
-            row = {"section": "files_to_gpu", "path": kind, "workers": workers, **stream(dl, args.epochs)}
-            row["of_ceiling"] = round(row["gb_s"] / ceiling[workers], 2) if workers in ceiling else None
-            if step is not None:
-                wall, n = train(dl, step, args.train_epochs)
-                row["trainer_fraction"] = round(resident_s * n / wall, 3)
-            emit(row)
+            dl = None
+            try:
+                dl = loader(kind, handles, pickles, workers)
+                row = {"section": "files_to_gpu", "path": kind, "workers": workers, **stream(dl, args.epochs)}
+                row["of_ceiling"] = round(row["gb_s"] / ceiling[workers], 2) if workers in ceiling else None
+                if step is not None:
+                    wall, n = train(dl, step, args.train_epochs)
+                    row["trainer_fraction"] = round(resident_s * n / wall, 3)
+                emit(row)
+            except Exception as exc:  # one failed run (say, /dev/shm too small) does not stop the others
+                emit({"section": "error", "path": kind, "workers": workers, "error": f"{type(exc).__name__}: {exc}"})
             del dl
             set_pinning("ours_pinned")
 

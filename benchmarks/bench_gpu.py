@@ -343,10 +343,12 @@ def lightning_fits(handles, pickles, gpu_batch, repeats: int, steps: int, worker
                 yield cpu_batch
 
     def fit(name, **data):
+        from lightning.fabric.plugins.environments import LightningEnvironment
+
         clock = Clock()
         trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                             default_root_dir=tempfile.gettempdir())
+                             default_root_dir=tempfile.gettempdir(), plugins=[LightningEnvironment()])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(Model(), **data)

@@ -31,6 +31,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*You are using a CUDA device.*"),
     pytest.mark.filterwarnings("ignore:.*The number of training batches.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*Tensor Cores.*"),
+    pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"),
 ]
 
 GPU_SLEEP_CYCLES = 1_000_000_000  # about half a second of one kernel spinning on an H100/H200
@@ -75,7 +76,34 @@ def test_slot_tensors_are_pinned_and_pass_the_pin_thread_uncopied(files):
     while _pinning.pinned_bytes() and time.monotonic() < deadline:  # the workers exited: rings unregistered
         time.sleep(0.05)
         gc.collect()
-    assert _pinning.pinned_bytes() == 0
+    assert _pinning.pinned_bytes() == 0, rings_report()
+
+
+def rings_report() -> str:
+    """What keeps rings mapped in this process (for a failure message)."""
+    import weakref
+
+    from torch_storage_loader import _slots
+
+    reg = _slots._registry
+    lines = [f"registered={_pinning._state.registered} pending releases={_pinning._state.releases.pending()} "
+             f"watched={reg.watched} reaper={reg.reaper}"]
+    for obj in gc.get_objects():
+        if isinstance(obj, _slots._MappedRing):
+            try:
+                w = obj.words
+                state = (f"retired={w[_slots._RETIRED]} sent={w[_slots._SENT]} received={w[_slots._RECEIVED]} "
+                         f"slots={[w[_slots._STATES + i] for i in range(4)]}")
+            except ValueError:
+                state = "closed"
+            lines.append(f"ring {obj.uid[:8]} owner={obj.owner_pid} alive={os.path.exists(f'/proc/{obj.owner_pid}')} "
+                         f"leases={obj.leases} forgotten={obj.forgotten} pin={obj.pin} in_registry="
+                         f"{reg.rings.get(obj.uid) is obj} {state}")
+            for f in [f for f in weakref.finalize._registry.values() if obj in f.args]:
+                lines.append(f"    finalizer {f.func.__name__} slot={f.args[1]} gen={f.args[2]}")
+            for r in gc.get_referrers(obj):
+                lines.append(f"    referrer {type(r).__name__} {str(r)[:150]!r}")
+    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "control-without-deferral"])
@@ -177,7 +205,11 @@ def test_lightning_fit_with_device(tmp_path):
         hs[-1].save(traj(i))
     model = Model()
     dm = StorageDataModule(hs, batch_size=4, num_workers=2, device="cuda")
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    # A cluster environment given: Lightning does not probe MPI (mpi4py would start an orted daemon).
     trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         plugins=[LightningEnvironment()])
     trainer.fit(model, datamodule=dm)
     assert sorted(model.seen) == list(range(24))

@@ -23,6 +23,10 @@ from torch_storage_loader import (FileStorage, FileStorageLoader, SampleTooLarge
                                   StorageDataset, StorageQueue)
 from torch_storage_loader import _pinning
 
+# Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
+# workers are forked here on purpose, and pytest.warns would re-raise that warning.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+
 
 @pytest.fixture
 def gpu(request):

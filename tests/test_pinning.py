@@ -106,9 +106,9 @@ def test_refusal_warns_once_and_loads_unpinned(gpu, files):
         out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
         out += [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
     assert sorted(out) == sorted(list(range(12)) * 2)
-    assert len([x for x in w if issubclass(x.category, SlotPinningWarning)]) == 1
+    ours = [x for x in w if issubclass(x.category, SlotPinningWarning)]  # (Python 3.12 adds fork warnings)
+    assert len(ours) == 1 and "out of memory" in str(ours[0].message)
     assert [e[0] for e in gpu.log] == ["register"]  # never tried again in this process
-    assert "out of memory" in str(w[0].message)
 
 
 @pytest.mark.fake_gpu(sees_pinned=False)

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from torch_storage_loader import FileStorage, StorageDataset, _pinning
+from bench_dataset import large, write_files  # the 7.2 MB trajectories, as storage and pickle files
+from torch_storage_loader import StorageDataset, _pinning
 from torch_storage_loader._shm import ShmSegment, shm_dir
 
 CUDA = torch.cuda.is_available()
@@ -52,12 +53,6 @@ def emit(row: dict) -> dict:
         OUT.write(line + "\n")
         OUT.flush()
     return row
-
-
-def large(i: int) -> dict:
-    rng = np.random.default_rng(i)
-    return {"obs": rng.random((64, 4, 84, 84), dtype=np.float32), "action": rng.integers(0, 6, 64),
-            "reward": rng.random(64, dtype=np.float32), "done": np.zeros(64, bool)}
 
 
 class PickleFiles(Dataset):
@@ -433,15 +428,7 @@ def main(argv: list[str] | None = None) -> None:
           "memlock": _memlock()})
     workdir = tempfile.mkdtemp(prefix="tsl-bench-gpu-")
     try:
-        handles, pickles = [], []
-        for i in range(args.samples):
-            sample = large(i)
-            h = FileStorage(os.path.join(workdir, f"{i}.tsl"))
-            h.save(sample)
-            handles.append(h)
-            pickles.append(os.path.join(workdir, f"{i}.pkl"))
-            with open(pickles[-1], "wb") as f:
-                pickle.dump(sample, f, protocol=pickle.HIGHEST_PROTOCOL)
+        handles, pickles = write_files(workdir, large, args.samples)
         paths = [h.path for h in handles]
         raw_one(paths, 1, False)  # the page cache holds them all
         ceiling: dict[int, float] = {}

@@ -46,9 +46,6 @@ class FakeEvent:
                     dst[:] = src
             self._done.set()
 
-    def query(self) -> bool:
-        return self._done.is_set()
-
     def synchronize(self) -> None:
         self._done.wait()
 

@@ -5,10 +5,8 @@
 
 from __future__ import annotations
 
-import collections
 import gc
 import os
-import queue as queue_mod
 import time
 
 import numpy as np

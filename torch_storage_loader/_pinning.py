@@ -51,9 +51,8 @@ class PinRefused(Exception):
 
 
 class Event(Protocol):
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Return once the work queued before the event is done."""
 
 
 class Accelerator(Protocol):
@@ -247,12 +246,10 @@ class ReleaseQueue:
         self._pending: collections.deque = collections.deque()
         self._busy = False  # the thread holds one it took from _pending
         self._thread: threading.Thread | None = None
-        self.deferred = 0  # callbacks queued so far
 
     def put(self, event: Event, callback: Callable[[], None]) -> None:
         with self._cond:
             self._pending.append((event, callback))
-            self.deferred += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tsl-slot-release", daemon=True)
                 self._thread.start()

@@ -66,23 +66,21 @@ def host_register(address: int, size: int) -> tuple[int, str]:
     """Page-lock ``size`` bytes at ``address`` in place; ``(0, "")`` or ``(code, name)`` of the refusal."""
     if size <= 0:
         raise ValueError(f"{size=} must be > 0: registering 0 bytes is an error in CUDA")
-    rc = registration_api().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE)
-    code = _code(rc)
-    if code:
-        name = cuda_error_name(rc)
-        _clear_last_error()
-        return code, name
-    return 0, ""
+    return _outcome(registration_api().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE))
 
 
 def host_unregister(address: int) -> tuple[int, str]:
-    rc = registration_api().cudaHostUnregister(address)
+    return _outcome(registration_api().cudaHostUnregister(address))
+
+
+def _outcome(rc: Any) -> tuple[int, str]:
+    """``(0, "")``, or the error's code and name (the thread's "last error" cleared)."""
     code = _code(rc)
-    if code:
-        name = cuda_error_name(rc)
-        _clear_last_error()
-        return code, name
-    return 0, ""
+    if not code:
+        return 0, ""
+    name = cuda_error_name(rc)
+    _clear_last_error()
+    return code, name
 
 
 @functools.cache

@@ -101,7 +101,7 @@ class SlotFiller:
         h = layout.header
         head = self._head(h.data_offset)
         try:
-            got = _preadv_upto(fd, [head, *views], 0)
+            got = _format.preadv_upto(fd, [head, *views], 0)
         except BaseException:
             views.clear()
             lease.abort()
@@ -282,7 +282,6 @@ def _release_here(ring, slot: int, generation: int, pid: int) -> None:
 _MAX_MISSES = 4  # files in a row whose layout was not the last one's: stop guessing ...
 _SKIP_AFTER_MISSES = 64  # ... for this many reads
 _MAX_HEADERS = 64  # validated headers kept by their bytes
-_IOV_MAX = 512
 
 
 class _Layout:
@@ -297,24 +296,6 @@ class _Layout:
     def of(cls, fd: int, header: Header) -> "_Layout | None":
         head = os.pread(fd, header.data_offset, 0)
         return cls(head, header) if len(head) == header.data_offset else None
-
-
-def _preadv_upto(fd: int, views: list, offset: int) -> int:
-    """Fill ``views`` from ``offset`` until they are full or the file ends; the bytes read."""
-    total = 0
-    views = [v for v in views if len(v)]
-    while views:
-        got = os.preadv(fd, views[:_IOV_MAX], offset)
-        if got == 0:
-            break
-        total += got
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if got:
-            views[0] = views[0][got:]
-    return total
 
 
 def _read(fd: int, views: list, offset: int, path: str, lease: Lease) -> None:

@@ -121,6 +121,12 @@ def _default_backend() -> Accelerator | None:
     return CudaAccelerator()
 
 
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
 def use(backend: Accelerator | None) -> Accelerator | None:
     """Use ``backend`` in this process from now on (tests); returns the one used before.
 
@@ -147,6 +153,8 @@ def pin(ring: Any) -> bool | None:
     st = _state
     if st.disabled:
         return False
+    if not st.resolved and not _cuda_initialized():
+        return None  # not asking torch.cuda.is_available() (it starts CUDA's driver) in a process without CUDA
     backend = accelerator()
     if backend is None:
         return False

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torch_storage_loader._device import too_large
-from torch_storage_loader._pinning import PinRefused
+from torch_storage_loader.errors import PinRefused
 
 
 def mapped(address: int, size: int) -> bool:

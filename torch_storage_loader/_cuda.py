@@ -15,7 +15,7 @@ import torch
 
 from . import _torch_internals
 from ._device import too_large
-from ._pinning import PinRefused
+from .errors import PinRefused
 
 __all__ = ["CopyStage", "CudaAccelerator"]
 

@@ -35,19 +35,15 @@ import threading
 import warnings
 from typing import Any, Callable, Protocol
 
-from .errors import SlotPinningWarning
+from .errors import PinRefused, SlotPinningWarning
 
-__all__ = ["Accelerator", "Event", "PinRefused", "accelerator", "defer", "pin", "pinned_bytes", "unpin", "use"]
+__all__ = ["Accelerator", "Event", "accelerator", "defer", "pin", "pinned_bytes", "unpin", "use"]
 
 logger = logging.getLogger("torch_storage_loader")
 
 ENV_PIN = "TORCH_STORAGE_LOADER_PIN_SLOTS"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.12 names it
 _IDLE_S = 0.5  # the release thread lingers this long for more work, then exits
-
-
-class PinRefused(Exception):
-    """The accelerator refused to register memory; ``str()`` says why (its error name)."""
 
 
 class Event(Protocol):

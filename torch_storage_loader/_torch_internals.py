@@ -28,16 +28,14 @@ from typing import Any, Iterator
 
 import torch
 
+from .errors import PinThreadUnavailable
+
 __all__ = ["PinThreadUnavailable", "cuda_error_name", "gpu_sleep", "host_register", "host_unregister",
            "pin_thread_for", "pin_thread_unavailable", "registration_api"]
 
 # cudaHostRegisterPortable: page-locked for every CUDA context of the process, so that whichever
 # thread (and current device) unregisters it later, the registration is found.
 HOST_REGISTER_PORTABLE = 1
-
-
-class PinThreadUnavailable(RuntimeError):
-    """This torch's DataLoader does not behave as ``pin_thread_for`` relies on."""
 
 
 @functools.cache

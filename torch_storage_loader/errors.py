@@ -10,6 +10,8 @@ __all__ = [
     "InsufficientSharedMemoryError",
     "LoadCancelledError",
     "PickleNotAllowedError",
+    "PinRefused",
+    "PinThreadUnavailable",
     "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
@@ -129,3 +131,12 @@ class SampleTooLargeForDeviceError(StorageError, MemoryError):
 
 class SlotPinningWarning(RuntimeWarning):
     """Shared-memory slots could not be page-locked for fast copies to the GPU; the message says why and how to fix it."""
+
+
+class PinRefused(Exception):
+    """Internal: the accelerator refused to register memory; ``str()`` says why (its error name).
+    Never reaches users: it turns into one ``SlotPinningWarning`` and the unpinned path."""
+
+
+class PinThreadUnavailable(RuntimeError):
+    """Internal: this torch's DataLoader does not start or use its pin-memory thread as ``device=`` relies on."""

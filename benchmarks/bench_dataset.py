@@ -112,7 +112,8 @@ def run(loader, epochs: int, step=None) -> dict:
             "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(wall, 3), "batches": n}
 
 
-def make_loaders(workdir: str, make, count: int):
+def write_files(workdir: str, make, count: int) -> tuple[list, list[str]]:
+    """Each sample saved twice: as a storage file (its handle) and as a pickle file (its path)."""
     handles, pickles = [], []
     for i in range(count):
         sample = make(i)
@@ -122,6 +123,11 @@ def make_loaders(workdir: str, make, count: int):
         pickles.append(os.path.join(workdir, f"{i}.pkl"))
         with open(pickles[-1], "wb") as f:
             pickle.dump(sample, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return handles, pickles
+
+
+def make_loaders(workdir: str, make, count: int):
+    handles, pickles = write_files(workdir, make, count)
     kw = dict(batch_size=None, num_workers=2, persistent_workers=True)
     return {
         "a_default_2_workers": DataLoader(PickleFiles(pickles), **kw),

@@ -489,3 +489,95 @@ def test_keep_2000_samples_of_7mb(tmp_path):
     finally:
         del kept
         gc.collect()
+
+
+# ------------------------------------------------------------- files read as the last one's layout
+def _lying_copy(src: str, dst: str, old: bytes, new: bytes) -> None:
+    """``dst``: ``src`` with ``old`` replaced by ``new`` in its header (same length: same size)."""
+    assert len(old) == len(new)
+    with open(src, "rb") as f:
+        data = f.read()
+    head = data[:4096]
+    assert head.count(old) == 1, head
+    with open(dst, "wb") as f:
+        f.write(head.replace(old, new) + data[4096:])
+
+
+def open_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_files_read_in_one_go_still_have_their_own_header(tmp_path):
+    """A worker reads a file of the last file's size in one preadv, as if it had the last file's
+    header: files of that size whose header differs (other dtype, other key, damaged) are still
+    read as what they are, and a damaged one is refused."""
+    def a(i):
+        return {"obs": np.full((64, 8), i, np.float32), "id": i}
+
+    paths = {}
+    for i in range(8):
+        s = FileStorage(tmp_path / f"a{i}.tsl")
+        s.save(a(i))
+        paths[f"a{i}"] = s
+    b = FileStorage(tmp_path / "b.tsl")
+    b.save({"obs": np.full((64, 8), 7, np.int32), "id": 7})  # same size, another dtype
+    c = FileStorage(tmp_path / "c.tsl")
+    c.save({"obz": np.full((64, 8), 5, np.float32), "id": 5})  # same size, another key
+    bad = tmp_path / "bad.tsl"
+    _lying_copy(paths["a3"].path, str(bad), b'"arrays"', b'"arrayz"')  # same size, damaged header
+    trailing = tmp_path / "trailing.tsl"
+    trailing.write_bytes(open_bytes(paths["a4"].path) + b"\0")
+    assert os.path.getsize(b.path) == os.path.getsize(c.path) == os.path.getsize(bad) == os.path.getsize(paths["a0"].path)
+
+    from torch_storage_loader import StorageCorruptError
+
+    with FileStorageLoader(tmp_path, ttl=None, worker_num=1) as loader:
+        def load(s):
+            return loader.load_async(s).result(timeout=TIMEOUT)
+
+        for i in range(3):
+            s = load(paths[f"a{i}"])
+            assert s["id"] == i and s["obs"].dtype == np.float32 and (s["obs"] == i).all()
+        s = load(b)
+        assert s["obs"].dtype == np.int32 and (s["obs"] == 7).all() and s["id"] == 7
+        s = load(paths["a5"])
+        assert s["obs"].dtype == np.float32 and (s["obs"] == 5).all()
+        s = load(c)
+        assert list(s) == ["obz", "id"] and (s["obz"] == 5).all()
+        with pytest.raises(StorageCorruptError, match="bad.tsl.*header is damaged"):
+            load(FileStorage(bad))
+        with pytest.raises(StorageCorruptError, match="trailing.tsl.*trailing bytes"):
+            load(FileStorage(trailing))
+        s = load(paths["a6"])
+        assert s["id"] == 6 and (s["obs"] == 6).all()
+        del s
+
+    batches = [[paths["a0"], paths["a1"]], [paths["a2"], paths["a5"]], [paths["a6"], b],
+               [paths["a0"], FileStorage(bad)], [paths["a7"], paths["a1"]]]
+    ds = StorageDataset(batches[0] + batches[1], batch_size=2)
+    got = list(DataLoader(ds, batch_size=None, num_workers=1))
+    assert [g["id"].tolist() for g in got] == [[0, 1], [2, 5]]
+    assert torch.equal(got[1]["obs"][1], torch.full((64, 8), 5.0))
+    from torch_storage_loader import SampleMismatchError
+
+    del got  # (a traceback pytest.raises keeps below would hold the test's frame, and these with it)
+    # Files of the same size whose arrays differ (x has 12 elements, not 8): read as what they are.
+    two = []
+    for i, n in enumerate([8, 8, 12, 12]):
+        two.append(FileStorage(tmp_path / f"two{i}.tsl"))
+        two[-1].save({"x": np.full(n, n, np.float32), "y": np.full(8, 2, np.float32)})
+    assert len({os.path.getsize(t.path) for t in two}) == 1
+    out = list(DataLoader(StorageDataset(two, batch_size=2), batch_size=None, num_workers=1))
+    assert out[0]["x"].tolist() == [[8.0] * 8] * 2 and out[1]["x"].tolist() == [[12.0] * 12] * 2
+    assert out[1]["y"].tolist() == [[2.0] * 8] * 2
+    del out
+
+    for group, error, match in [(batches[2], SampleMismatchError, r"\['obs'\].*float32|<f4"),
+                                (batches[3], StorageCorruptError, "bad.tsl.*header is damaged")]:
+        it = iter(DataLoader(StorageDataset(batches[0] + group, batch_size=2), batch_size=None, num_workers=1))
+        assert next(it)["id"].tolist() == [0, 1]  # the layout to guess from
+        with pytest.raises(error, match=match):
+            next(it)
+        del it
+

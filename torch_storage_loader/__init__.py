@@ -26,6 +26,8 @@ _EXPORTS = {
     "RedisUnavailableError": "errors",
     "SampleMismatchError": "errors",
     "SampleTooLargeError": "errors",
+    "SampleTooLargeForDeviceError": "errors",
+    "SlotPinningWarning": "errors",
     "Storage": "storage",
     "StorageCorruptError": "errors",
     "StorageDataset": "dataset",
@@ -60,7 +62,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .errors import (HandleRecordError, InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
-                         RedisUnavailableError, SampleMismatchError, SampleTooLargeError, StorageCorruptError,
+                         RedisUnavailableError, SampleMismatchError, SampleTooLargeError, SampleTooLargeForDeviceError,
+                         SlotPinningWarning, StorageCorruptError,
                          StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
                          WorkerDiedError)
     from ._codec import register_storage_type

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import mmap
 from dataclasses import dataclass
 from typing import Any
@@ -231,10 +232,24 @@ class _PrivateLease(Lease):
         super().__init__(memoryview(self.buf), FillInfo("local", nbytes), path, opts)
 
     def commit(self, header: Header) -> Any:
-        from ._tree import build
+        from ._tree import Plan, build
 
         self.view.release()
+        if self.opts.device is not None:  # a _device.DeviceItem; the buffer lives until the copy is done
+            import numpy as np
+
+            from . import _pinning
+            from ._device import deliver
+
+            buf = self.buf
+            host = np.frombuffer(buf, np.uint8) if len(buf) else np.empty(0, np.uint8)
+            return deliver(Plan(header, self.opts), host, self.path, self.opts.device,
+                           lambda event: _pinning.defer(functools.partial(_keep, buf), event) if event else None)
         return build(header, self.buf, self.opts, path=self.path)
+
+
+def _keep(buf: Any) -> None:
+    """A deferred release's callback that only held ``buf`` alive until the copy reading it was done."""
 
 
 class PrivateAllocator:

@@ -14,8 +14,9 @@ exception, workers killed, the next epoch of persistent workers) goes back to th
 
 The hooks wrap four methods of torch's ``_MultiProcessingDataLoaderIter`` (and of torchdata's
 ``StatefulDataLoader`` iterator, which has the same protocol) and act only for iterators over a
-streaming ``StorageDataset``; other iterators are untouched. Under an iterator class without the
-hooks, a StorageDataset's workers acknowledge handles as they load them.
+streaming ``StorageDataset``, or one with ``device=`` (whose items are finished on the trainer's
+thread as they are handed over: see ``_device``); other iterators are untouched. Under an
+iterator class without the hooks, a StorageDataset's workers acknowledge handles as they load them.
 """
 
 from __future__ import annotations
@@ -257,9 +258,13 @@ def _hook(cls: type) -> None:
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
+        from . import _device
+
+        self._tsl_device = device = _device.loader_device(loader)
         self._tsl_ledger = ledger = _open(loader)
         try:
-            init(self, loader, *args, **kwargs)
+            with _device.receive_ahead(loader, device):
+                init(self, loader, *args, **kwargs)
         except BaseException:
             if ledger is not None:
                 self._tsl_ledger = None
@@ -282,7 +287,13 @@ def _hook(cls: type) -> None:
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None:
             ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
-        return process(self, data, worker_idx, *args, **kwargs)
+        out = process(self, data, worker_idx, *args, **kwargs)
+        device = getattr(self, "_tsl_device", None)
+        if device is not None:
+            from ._device import arrive
+
+            out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
+        return out
 
     getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
 

@@ -57,6 +57,7 @@ class ReadOptions(NamedTuple):
 
     allow_pickle: bool = False  # unpickle "pickle" leaves (runs code from the file)
     as_tensors: bool = False  # numeric numpy leaves become torch tensors (no copy), as DataLoader does
+    device: str | None = None  # the receiver copies the sample there (``_device``), e.g. "cuda"
 
 
 class ArrayEntry(NamedTuple):
@@ -237,17 +238,26 @@ def open_storage(path: str) -> int:
 
 def preadv_into(fd: int, buffers: list, offset: int, path: str) -> None:
     """Fill ``buffers`` (memoryviews) from ``offset``; a short file is a corrupt file."""
+    if preadv_upto(fd, buffers, offset) < sum(len(b) for b in buffers):
+        raise _corrupt(path, "file shrank while it was read")
+
+
+def preadv_upto(fd: int, buffers: list, offset: int) -> int:
+    """Fill ``buffers`` (memoryviews) from ``offset`` until they are full or the file ends; the bytes read."""
+    total = 0
     views = [b for b in buffers if len(b)]
     while views:
         got = os.preadv(fd, views[:_IOV_MAX], offset)
         if got == 0:
-            raise _corrupt(path, "file shrank while it was read")
+            break
+        total += got
         offset += got
         while views and got >= len(views[0]):
             got -= len(views[0])
             views.pop(0)
         if got:
             views[0] = views[0][got:]
+    return total
 
 
 def read_into(path: str, allocate) -> tuple[Header, memoryview]:

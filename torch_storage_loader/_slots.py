@@ -14,10 +14,16 @@ receiver forgets it under the same condition. So no reference can outlive its ri
 sample pins its own slot only: the free slots of a retired ring are given back to the kernel.
 Receivers also forget the rings of a worker process that has exited (``watch=True`` references:
 DataLoader workers, which nobody else supervises).
+
+In a receiver that uses CUDA, each ring is page-locked in place once (``_pinning``), so that its
+slots cross to the GPU at link speed, and unregistered before it is unmapped; a slot of a pinned
+ring goes back to its worker only once the GPU is past the work queued before its release.
+References whose options name a ``device`` are received as samples on that device (``_device``).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import pickle
@@ -138,9 +144,14 @@ class SlotRing:
 
 
 class _MappedRing:
-    """Receiver side: one mapping of a worker's ring."""
+    """Receiver side: one mapping of a worker's ring.
 
-    __slots__ = ("uid", "mm", "slot_size", "owner_pid", "words", "leases", "__weakref__")
+    ``pin``: registered with the accelerator (True), never to be (False), not asked yet (None).
+    Unmapped by ``close`` once forgotten and no lease is left: unregistered first.
+    """
+
+    __slots__ = ("uid", "mm", "slot_size", "owner_pid", "words", "leases", "pin", "address", "nbytes",
+                 "forgotten", "__weakref__")
 
     def __init__(self, uid: str, segment: ShmSegment, slot_size: int, owner_pid: int) -> None:
         if bytes(segment.mm[:16]) != bytes.fromhex(uid):
@@ -154,10 +165,27 @@ class _MappedRing:
         self.owner_pid = owner_pid
         self.words = memoryview(self.mm)[:CTRL].cast("q")
         self.leases = 0
+        self.pin: bool | None = None
+        self.address = np.frombuffer(self.mm, np.uint8, 1).ctypes.data
+        self.nbytes = len(self.mm)
+        self.forgotten = False
 
     def finished(self) -> bool:
         w = self.words
         return self.leases == 0 and w[_RETIRED] == 1 and w[_RECEIVED] >= w[_SENT]
+
+    def close(self) -> None:
+        """Unregister, then unmap (no lease is left: nothing views the mapping)."""
+        if self.pin:
+            from . import _pinning
+
+            self.pin = False
+            _pinning.unpin(self)
+        self.words.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # something still exports it: it is unmapped with the last export
 
 
 class _Registry:
@@ -173,7 +201,11 @@ class _Registry:
 
     def forget(self, ring: _MappedRing) -> None:
         if self.rings.get(ring.uid) is ring:
-            del self.rings[ring.uid]  # the mapping goes with the last lease (views keep it alive)
+            del self.rings[ring.uid]
+        if not ring.forgotten:
+            ring.forgotten = True
+            if ring.leases == 0:
+                ring.close()  # else with the last lease (_free)
 
     def forget_owner(self, pid: int) -> None:
         for ring in [r for r in self.rings.values() if r.owner_pid == pid]:
@@ -265,22 +297,65 @@ def _private(nbytes: int) -> np.ndarray:
 def plan_key(header: Header, opts: ReadOptions) -> bytes:
     """What a reference carries instead of its header: the receiver's key for a cached build plan
     (``_tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
-    sent it; pickling it here keeps torch out of the workers."""
-    return pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    sent it; pickling it here keeps torch out of the workers. Workers reuse one header object per
+    layout (``_worker._Layout``), so its key is made once, not per sample."""
+    hit = _plan_keys.get(id(header))
+    if hit is not None and hit[0] is header and hit[1] == opts:
+        return hit[2]
+    key = pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(_plan_keys) >= _MAX_PLAN_KEYS:
+        _plan_keys.clear()
+    _plan_keys[id(header)] = (header, opts, key)  # the header is kept: its id stays its own
+    return key
+
+
+_plan_keys: dict[int, tuple[Header, ReadOptions, bytes]] = {}
+_MAX_PLAN_KEYS = 64
 
 
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
-    """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views."""
+    """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views.
+
+    A pinned ring's slot may still be read by a copy queued on the GPU: it is freed once the GPU
+    is past what the current stream has queued (``_pinning.defer``)."""
     if os.getpid() != pid:
         return
+    if ring.pin:
+        from . import _pinning
+
+        _pinning.defer(functools.partial(_free, ring, slot, generation))
+    else:
+        _free(ring, slot, generation)
+
+
+def _free(ring: _MappedRing, slot: int, generation: int) -> None:
     reg = _registry
     with reg.lock:
         w = ring.words
         if w[_STATES + slot] == generation:
             w[_STATES + slot] = 0
         ring.leases -= 1
-        if ring.finished():
-            reg.forget(ring)
+        if ring.leases == 0:
+            if ring.forgotten:
+                ring.close()
+            elif ring.finished():
+                reg.forget(ring)
+
+
+def _free_after(ring: _MappedRing, slot: int, generation: int, event: Any) -> None:
+    """``_device.deliver``'s release: free the slot once ``event`` (after the copy) completed."""
+    if event is None:
+        _free(ring, slot, generation)
+    else:
+        from . import _pinning
+
+        _pinning.defer(functools.partial(_free, ring, slot, generation), event)
+
+
+def _pin(ring: _MappedRing) -> bool | None:
+    from . import _pinning
+
+    return _pinning.pin(ring)
 
 
 @dataclass
@@ -315,6 +390,7 @@ def _receive_slot(ring_uid: str, slot: int, generation: int, slot_size: int, key
 
     plan = plan_for(key)
     size = plan.header.data_size
+    device = plan.opts.device
     reg = _registry
     with reg.lock:
         ring = reg.rings.get(ring_uid)
@@ -328,8 +404,13 @@ def _receive_slot(ring_uid: str, slot: int, generation: int, slot_size: int, key
             if watch:
                 reg.watch(pid)
         ring.words[_RECEIVED] += 1
+        if ring.pin is None:
+            ring.pin = _pin(ring)
         start = CTRL + slot * ring.slot_size
-        if copy:
+        if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
+            ring.leases += 1
+            host = np.frombuffer(ring.mm, np.uint8, size, start)
+        elif copy:
             buf = _private(size)
             np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
             if ring.words[_STATES + slot] == generation:
@@ -343,6 +424,10 @@ def _receive_slot(ring_uid: str, slot: int, generation: int, slot_size: int, key
             buf = np.frombuffer(ring.mm, np.uint8, size, start)
             ring.leases += 1
             weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
+    if device is not None:
+        from ._device import deliver
+
+        return deliver(plan, host, path, device, functools.partial(_free_after, ring, slot, generation))
     return plan.build(buf, path)
 
 
@@ -362,7 +447,16 @@ class BytesRef:
 def _receive_bytes(key: bytes, data: bytearray, path: str) -> Any:
     from ._tree import plan_for
 
-    return plan_for(key).build(np.frombuffer(data, np.uint8), path)
+    plan = plan_for(key)
+    if plan.opts.device is not None:
+        from ._device import deliver
+
+        return deliver(plan, np.frombuffer(data, np.uint8), path, plan.opts.device, _nothing_to_free)
+    return plan.build(np.frombuffer(data, np.uint8), path)
+
+
+def _nothing_to_free(event: Any) -> None:
+    return None
 
 
 @dataclass
@@ -389,6 +483,11 @@ def _receive_oneoff(key: bytes, segment: ShmSegment, path: str, copy: bool = Fal
 
     plan = plan_for(key)
     size = plan.header.data_size
+    if plan.opts.device is not None:
+        from ._device import deliver
+
+        return deliver(plan, np.frombuffer(segment.mm, np.uint8, size), path, plan.opts.device,
+                       functools.partial(_close_after, segment))
     if copy:
         buf = _private(size)
         np.copyto(buf, np.frombuffer(segment.mm, np.uint8, size))
@@ -396,3 +495,13 @@ def _receive_oneoff(key: bytes, segment: ShmSegment, path: str, copy: bool = Fal
     else:
         buf = np.frombuffer(segment.mm, np.uint8, size)  # its leaves keep the mapping alive
     return plan.build(buf, path)
+
+
+def _close_after(segment: ShmSegment, event: Any) -> None:
+    """Unmap a one-off segment once the copy reading it is done."""
+    if event is None:
+        segment.close()
+    else:
+        from . import _pinning
+
+        _pinning.defer(segment.close, event)

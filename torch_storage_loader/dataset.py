@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
-from . import _delivery, _objects
+from . import _delivery, _device, _objects
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._shm import default_shm_budget
@@ -74,15 +74,23 @@ class _Delivery:
         return _receive, (self.uid, info.via, info.nbytes, info.regrew, info.copied, self.skipped, self.payload)
 
 
-def _receive(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any) -> Any:
-    _count(uid, via, nbytes, regrew, copied, skipped)
+def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any) -> Any:
+    if uid is not None:
+        _count(uid, via, nbytes, regrew, copied, skipped)
     return sample
 
 
 def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
     # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
-    # sample there, and let the default path ship the collated batch (slower, but correct).
-    return collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
+    # sample there, and let the default path ship the collated batch (slower, but correct). For
+    # device=, the collated batch goes back into a slot, to be copied to the device in one piece.
+    collated = collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
+    first = batch[0]
+    opts = first.payload.opts
+    if opts.device is None:
+        return collated
+    info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
+    return _Delivery(None, info, 0, payload, first.filler)  # its samples are not counted, as without device=
 
 
 # The extension point torch documents for default_collate: a collate function per element type.
@@ -119,12 +127,22 @@ class StorageDataset(IterableDataset):
     (split evenly; default half the size of /dev/shm): a sample larger than one worker's share
     raises ``SampleTooLargeError``. Numeric numpy leaves come out as tensors (sharing memory, as DataLoader's
     default conversion does); treetensor trees stay trees.
+
+    ``device`` (``"cuda"``, ``"cuda:1"``, a ``torch.device``): batches come out on that device. Under
+    DataLoader workers each one crosses in a single copy on a side stream, issued as it arrives
+    (on the DataLoader's pin-memory thread, ahead of the trainer); the trainer's current stream
+    waits for it, and its slot goes back to the worker once the copy is done. ``"cuda"`` is the
+    current device of the process creating the DataLoader iterator. Strings, bytes and other
+    non-tensor leaves stay on the host; a sample too large for the device raises
+    ``SampleTooLargeForDeviceError``. Leave ``pin_memory`` off with it (it changes nothing with
+    workers, and with ``num_workers=0`` torch cannot pin device tensors).
     """
 
     def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, slots_per_worker: int = 4,
                  max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
-                 shuffle: bool = False, seed: int = 0, storage_options: dict | None = None) -> None:
+                 shuffle: bool = False, seed: int = 0, storage_options: dict | None = None,
+                 device: str | torch.device | None = None) -> None:
         super().__init__()
         _delivery.install()  # again: torchdata's StatefulDataLoader may have been imported since
         if not isinstance(shuffle, bool):
@@ -145,6 +163,7 @@ class StorageDataset(IterableDataset):
             raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the size of /dev/shm")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+        self.device = _device.normalize(device)  # None, or a device this process copies samples to
         if storage_options is not None:  # for the handles' object stores, or the prefix this streams from
             _objects.configure_object_store(os.fspath(source) if _objects.is_url(source) else "*", storage_options)
         self._object_stores = _objects.snapshot()  # reaches the DataLoader workers with the dataset
@@ -375,9 +394,9 @@ class StorageDataset(IterableDataset):
             if num_workers:
                 budget = (self.max_shm_bytes or default_shm_budget()) // num_workers
                 self._filler = SlotFiller(self.slots_per_worker, as_tensors=True, max_rings=self.max_rings_per_worker,
-                                          budget=budget, watch=True)
+                                          budget=budget, watch=True, device=self.device)
             else:
-                self._filler = LocalFiller(as_tensors=True)
+                self._filler = LocalFiller(as_tensors=True, device=self.device)
             self._filler_pid = os.getpid()
         return self._filler
 
@@ -399,6 +418,8 @@ class StorageDataset(IterableDataset):
         if in_worker:
             return _Delivery(self._uid, info, skipped, payload, filler)
         _record(self._uid, info, skipped)
+        if type(payload) is _device.DeviceItem:
+            return payload.finish()  # in the trainer's process: its stream waits for the copy
         return payload
 
 

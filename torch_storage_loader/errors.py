@@ -10,11 +10,15 @@ __all__ = [
     "InsufficientSharedMemoryError",
     "LoadCancelledError",
     "PickleNotAllowedError",
+    "PinRefused",
+    "PinThreadUnavailable",
     "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
+    "SampleTooLargeForDeviceError",
     "ShmTransportError",
+    "SlotPinningWarning",
     "StorageCorruptError",
     "StorageError",
     "StorageNotFoundError",
@@ -119,3 +123,20 @@ class RedisUnavailableError(StorageError, ConnectionError):
 
 class StorageUnavailableError(StorageError, ConnectionError):
     """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+
+
+class SampleTooLargeForDeviceError(StorageError, MemoryError):
+    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large."""
+
+
+class SlotPinningWarning(RuntimeWarning):
+    """Shared-memory slots could not be page-locked for fast copies to the GPU; the message says why and how to fix it."""
+
+
+class PinRefused(Exception):
+    """Internal: the accelerator refused to register memory; ``str()`` says why (its error name).
+    Never reaches users: it turns into one ``SlotPinningWarning`` and the unpinned path."""
+
+
+class PinThreadUnavailable(RuntimeError):
+    """Internal: this torch's DataLoader does not start or use its pin-memory thread as ``device=`` relies on."""

@@ -1,0 +1,215 @@
+"""The GPU path on a real CUDA device: pinned slots, deferred release, ``device=``, Lightning.
+
+Skipped, saying so, where no CUDA device is present (CI has none); the same logic is tested on
+CPU with an emulated GPU in test_pinning.py. Run on a GPU machine with ``pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from torch.utils.data import DataLoader
+
+from conftest import traj
+from torch_storage_loader import (FileStorage, FileStorageLoader, SampleTooLargeForDeviceError, StorageDataset,
+                                  StorageQueue)
+from torch_storage_loader import _pinning
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*isinstance.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning"),
+    pytest.mark.filterwarnings("ignore:.*You are using a CUDA device.*"),
+    pytest.mark.filterwarnings("ignore:.*The number of training batches.*:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*Tensor Cores.*"),
+    pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"),
+]
+
+GPU_SLEEP_CYCLES = 1_000_000_000  # about half a second of one kernel spinning on an H100/H200
+
+
+@pytest.fixture(autouse=True)
+def cuda_in_use():
+    torch.cuda.init()  # registration happens only in a process that uses CUDA
+    yield
+    torch.cuda.synchronize()
+    gc.collect()
+
+
+def save(d, i, n=256):
+    s = FileStorage(d / f"{i:04d}.tsl")
+    s.save({"obs": np.full((n, 1024), i, np.float32), "id": np.int64(i), "name": f"s{i}"})
+    return s
+
+
+@pytest.fixture
+def files(tmp_path):
+    return [save(tmp_path, i) for i in range(16)]
+
+
+def in_registered_ring(ptr: int) -> bool:
+    return any(a <= ptr < a + n for a, n in _pinning._state.registered.items())
+
+
+def test_slot_tensors_are_pinned_and_pass_the_pin_thread_uncopied(files):
+    got = 0
+    for b in DataLoader(StorageDataset(files, batch_size=4), batch_size=None, num_workers=2, pin_memory=True):
+        for t in (b["obs"], b["obs"][1], b["obs"][2, 7:]):  # views at non-zero offsets too
+            assert t.is_pinned() and in_registered_ring(t.data_ptr()), "the pin thread copied a slot"
+        assert b["obs"].pin_memory().data_ptr() == b["obs"].data_ptr()
+        x = b["obs"].to("cuda", non_blocking=True)
+        assert torch.equal(x[:, 0, 0].cpu(), b["id"].to(torch.float32))
+        got += len(b["id"])
+        del b, x, t  # t too: a view kept keeps its ring pinned (as it should)
+    assert got == 16 and _pinning.pinned_bytes() >= 0
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _pinning.pinned_bytes() and time.monotonic() < deadline:  # the workers exited: rings unregistered
+        time.sleep(0.05)
+        gc.collect()
+    assert _pinning.pinned_bytes() == 0, rings_report()
+
+
+def rings_report() -> str:
+    """What keeps rings mapped in this process (for a failure message)."""
+    import weakref
+
+    from torch_storage_loader import _slots
+
+    reg = _slots._registry
+    lines = [f"registered={_pinning._state.registered} pending releases={_pinning._state.releases.pending()} "
+             f"watched={reg.watched} reaper={reg.reaper}"]
+    for obj in gc.get_objects():
+        if type(obj) is _slots._MappedRing:  # (isinstance would touch deprecated torch objects, which warn)
+            try:
+                w = obj.words
+                state = (f"retired={w[_slots._RETIRED]} sent={w[_slots._SENT]} received={w[_slots._RECEIVED]} "
+                         f"slots={[w[_slots._STATES + i] for i in range(4)]}")
+            except ValueError:
+                state = "closed"
+            lines.append(f"ring {obj.uid[:8]} owner={obj.owner_pid} alive={os.path.exists(f'/proc/{obj.owner_pid}')} "
+                         f"leases={obj.leases} forgotten={obj.forgotten} pin={obj.pin} in_registry="
+                         f"{reg.rings.get(obj.uid) is obj} {state}")
+            for f in [f for f in weakref.finalize._registry.values() if obj in f.args]:
+                lines.append(f"    finalizer {f.func.__name__} slot={f.args[1]} gen={f.args[2]}")
+            for r in gc.get_referrers(obj):
+                lines.append(f"    referrer {type(r).__name__} {str(r)[:150]!r}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "control-without-deferral"])
+def test_a_slot_is_not_refilled_while_the_gpu_may_still_copy_it(tmp_path, monkeypatch, deferred):
+    """A slow kernel queued before the copy, the sample dropped at once, the worker refilling the
+    slot: the GPU must still see the old bytes. The control run turns the deferral off and
+    expects the new bytes, which shows the test can see the hazard it guards against."""
+    if not deferred:
+        monkeypatch.setattr(_pinning, "defer", lambda callback, event=None: callback())
+    a, b = save(tmp_path, 1, n=1024), save(tmp_path, 2, n=1024)
+    with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1, max_rings_per_worker=1) as loader:
+        first = loader.load_async(a).result(timeout=60)
+        host = torch.from_numpy(first["obs"])
+        assert host.is_pinned()
+        from torch_storage_loader._torch_internals import gpu_sleep
+
+        gpu_sleep(GPU_SLEEP_CYCLES)  # the copy below waits behind this on the stream
+        on_gpu = host.to("cuda", non_blocking=True)
+        del first, host
+        gc.collect()
+        second = loader.load_async(b).result(timeout=60)  # needs a slot while the GPU still sleeps
+        assert int(second["id"]) == 2
+        torch.cuda.synchronize()
+        seen = on_gpu[0, 0].item()
+        del second
+        if deferred:
+            assert seen == 1.0 and torch.equal(on_gpu, torch.full_like(on_gpu, 1.0)), "the slot was refilled under the copy"
+        else:
+            assert seen == 2.0, "without the deferral the refill should have reached the copy (is the GPU that fast?)"
+
+
+def rich(i: int) -> dict:
+    return {"obs": np.full((64, 32), i, np.float32), "ids": [np.int64(i), {"t": torch.tensor([i, i])}],
+            "tree": ttorch.Tensor({"x": torch.full((3,), float(i))}), "name": f"s{i}", "n": i}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_device_batches_arrive_on_the_gpu(tmp_path, num_workers):
+    hs = []
+    for i in range(8):
+        hs.append(FileStorage(tmp_path / f"{i}.tsl"))
+        hs[-1].save(rich(i))
+    seen = []
+    for b in DataLoader(StorageDataset(hs, batch_size=2, device="cuda"), batch_size=None, num_workers=num_workers):
+        assert b["obs"].is_cuda and b["ids"][1]["t"].is_cuda and b["tree"].x.is_cuda and b["n"].is_cuda
+        ids = b["n"].tolist()
+        assert torch.equal(b["obs"][:, 0, 0].cpu(), torch.tensor(ids, dtype=torch.float32))
+        assert b["name"] == [f"s{i}" for i in ids]
+        seen += ids
+        b["obs"].mul_(2)  # the trainer's stream uses it at once
+    assert sorted(seen) == list(range(8))
+
+
+def test_device_with_dataloader_side_batching_and_a_stream(tmp_path):
+    q = StorageQueue()
+    for i in range(6):
+        q.put(save(tmp_path, i, n=16))
+    q.close()
+    got = list(DataLoader(StorageDataset(q, device="cuda"), batch_size=3, num_workers=2))
+    assert sorted(int(i) for b in got for i in b["id"]) == list(range(6))
+    assert all(b["obs"].is_cuda and b["id"].is_cuda for b in got)
+
+
+def test_device_sample_too_large(files):
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1e-5)  # about 1.4 MB of an H200
+    try:
+        it = iter(DataLoader(StorageDataset(files, batch_size=4, device="cuda"), batch_size=None, num_workers=1))
+        with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 4\.0 MiB on cuda:0, which has"):
+            next(it)
+        del it
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_lightning_fit_with_device(tmp_path):
+    import lightning.pytorch as pl
+
+    from torch_storage_loader.lightning import StorageDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4 * 8 * 8, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            assert batch["obs"].is_cuda and batch["reward"].is_cuda
+            self.seen += batch["info"]["id"].tolist()
+            obs = batch["obs"].reshape(*batch["obs"].shape[:-3], -1)
+            return torch.nn.functional.mse_loss(self.net(obs).squeeze(-1), batch["reward"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    hs = []
+    for i in range(24):
+        hs.append(FileStorage(tmp_path / f"{i}.tsl"))
+        hs[-1].save(traj(i))
+    model = Model()
+    dm = StorageDataModule(hs, batch_size=4, num_workers=2, device="cuda")
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    # A cluster environment given: Lightning does not probe MPI (mpi4py would start an orted daemon).
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         plugins=[LightningEnvironment()])
+    trainer.fit(model, datamodule=dm)
+    assert sorted(model.seen) == list(range(24))

@@ -1,0 +1,294 @@
+"""The GPU path's CPU-side logic, on CPU: registration bookkeeping, refusals, deferred release and
+``device=``, with an emulated GPU (``_fake_gpu.FakeGPU``) put in place of CUDA through
+``_pinning.use``. Real worker processes, files and shared memory; CUDA itself is in test_cuda.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from torch.utils.data import DataLoader
+
+from _fake_gpu import FakeGPU, mapped
+from conftest import assert_same
+from torch_storage_loader import (FileStorage, FileStorageLoader, SampleTooLargeForDeviceError, SlotPinningWarning,
+                                  StorageDataset, StorageQueue)
+from torch_storage_loader import _pinning
+
+# Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
+# workers are forked here on purpose, and pytest.warns would re-raise that warning.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+
+
+@pytest.fixture
+def gpu(request):
+    marker = request.node.get_closest_marker("fake_gpu")
+    fake = FakeGPU(**(marker.kwargs if marker else {}))
+    before = _pinning.use(fake)
+    try:
+        yield fake
+    finally:
+        fake.complete_all()
+        _pinning.use(before)
+        gc.collect()
+
+
+def save(d, i, **extra):
+    s = FileStorage(d / f"{i:04d}.tsl")
+    s.save({"obs": np.full((16, 1024), i, np.float32), "id": np.int64(i), **extra})
+    return s
+
+
+@pytest.fixture
+def files(tmp_path):
+    return [save(tmp_path, i) for i in range(12)]
+
+
+def data_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------- registration
+def test_rings_registered_once_each_and_unregistered_before_unmap(gpu, files):
+    seen = []
+    ds = StorageDataset(files, max_shm_bytes=64 << 20)
+    for s in DataLoader(ds, batch_size=None, num_workers=2):
+        assert gpu.sees_pinned(s["obs"].data_ptr())  # a view inside a registered ring
+        seen.append(int(s["id"]))
+        del s
+    assert sorted(seen) == list(range(12))
+    registered = [e for e in gpu.log if e[0] == "register"]
+    addresses = [e[1] for e in registered]
+    assert len(addresses) == len(set(addresses)) == 2  # one ring per worker, each registered once
+    assert sum(e[2] for e in registered) <= 64 << 20  # within the slot budget
+    gc.collect()
+    wait_for(lambda: not gpu.registered)  # the workers exited: their rings were forgotten
+    unregistered = {e[1]: e[2] for e in gpu.log if e[0] == "unregister"}
+    assert set(unregistered) == set(addresses)
+    assert all(unregistered.values()), "a ring was unmapped before it was unregistered"
+    assert not any(mapped(a, n) for _, a, n in registered)  # and then unmapped
+    assert _pinning.pinned_bytes() == 0
+
+
+def test_registration_waits_until_the_process_uses_the_gpu(gpu, files):
+    gpu.used = False
+    with FileStorageLoader(os.path.dirname(files[0].path), ttl=None, worker_num=1) as loader:
+        a = loader.load_async(files[0]).result()
+        assert not gpu.log  # a process that has not touched CUDA is not made to
+        gpu.used = True
+        b = loader.load_async(files[1]).result()  # the next reference naming the ring registers it
+        assert [e[0] for e in gpu.log] == ["register"] and gpu.sees_pinned(a["obs"].ctypes.data)
+        c = loader.load_async(files[2]).result()
+        assert len(gpu.log) == 1  # once per ring
+        del a, b, c
+    gc.collect()
+    wait_for(lambda: not gpu.registered)
+
+
+@pytest.mark.fake_gpu(refuse="cudaHostRegister returned 2, out of memory")
+def test_refusal_warns_once_and_loads_unpinned(gpu, files):
+    with pytest.warns(SlotPinningWarning, match=r"RLIMIT_MEMLOCK \(ulimit -l\) is .*docker run --ulimit memlock=-1") as w:
+        out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
+        out += [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
+    assert sorted(out) == sorted(list(range(12)) * 2)
+    ours = [x for x in w if issubclass(x.category, SlotPinningWarning)]  # (Python 3.12 adds fork warnings)
+    assert len(ours) == 1 and "out of memory" in str(ours[0].message)
+    assert [e[0] for e in gpu.log] == ["register"]  # never tried again in this process
+
+
+@pytest.mark.fake_gpu(sees_pinned=False)
+def test_a_torch_that_does_not_see_registered_memory_as_pinned_is_not_used(gpu, files):
+    with pytest.warns(SlotPinningWarning, match="does not report it as pinned"):
+        out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=1)]
+    assert sorted(out) == list(range(12))
+    assert [e[0] for e in gpu.log] == ["register", "unregister"] and not gpu.registered
+
+
+def test_pinning_turned_off_by_environment(gpu, files, monkeypatch):
+    monkeypatch.setenv(_pinning.ENV_PIN, "0")
+    _pinning.use(gpu)  # the setting is read when the process state is made
+    out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=1)]
+    assert sorted(out) == list(range(12)) and not gpu.log
+
+
+# --------------------------------------------------------------------------- deferred release
+@pytest.mark.fake_gpu(auto=False)
+def test_slot_not_reused_while_a_copy_from_it_is_queued(gpu, tmp_path):
+    """A copy queued behind other work, the sample dropped at once, the worker loading the next
+    sample: the copy must still read the old bytes (the slot stays busy until its event)."""
+    a, b = save(tmp_path, 1), save(tmp_path, 2)
+    with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1) as loader:
+        first = loader.load_async(a).result()
+        assert gpu.sees_pinned(first["obs"].ctypes.data)
+        on_gpu = gpu.copy_async(torch.from_numpy(first["obs"]))  # queued; the GPU reads it later
+        del first  # released at once: an event is recorded after the copy
+        gc.collect()
+        second = loader.load_async(b).result()  # the worker needs a slot now
+        assert int(second["id"]) == 2
+        gpu.complete_all()  # the GPU gets to the copy
+        assert torch.equal(on_gpu, torch.full((16, 1024), 1.0)), "the slot was refilled before the copy read it"
+        del second
+        gpu.complete_all()
+        wait_for(lambda: _pinning._state.releases.pending() == 0)
+        assert loader.stats().slot_loads == 2
+
+
+@pytest.mark.fake_gpu(auto=False)
+def test_device_copy_keeps_its_slot_until_done(gpu, tmp_path):
+    """device=: the slot of a batch whose copy is still queued is not given to the next samples."""
+    hs = [save(tmp_path, i) for i in range(6)]
+    ds = StorageDataset(hs, device="cpu", slots_per_worker=1)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=1))
+    got = [next(it) for _ in range(4)]  # copies issued (and pending); the worker went on loading
+    assert all(data_ptr(s["obs"]) in gpu.allocated for s in got)
+    gpu.complete_all()
+    for i, s in enumerate(got):
+        assert torch.equal(s["obs"], torch.full((16, 1024), float(i))), f"batch {i} was overwritten before its copy"
+    rest = list(it)
+    gpu.complete_all()
+    assert [int(s["id"]) for s in got + rest] == list(range(6))
+    del it, got, rest
+    wait_for(lambda: _pinning._state.releases.pending() == 0)
+
+
+# ----------------------------------------------------------------------------------- device=
+def rich(i: int) -> dict:
+    return {
+        "obs": np.full((4, 8), i, np.float32),
+        "nested": [{"a": torch.arange(3) + i, "t": (np.int16(i), np.float64(i) / 2)}],
+        "tree": ttorch.Tensor({"x": torch.full((2,), float(i)), "y": {"z": torch.ones(2, dtype=torch.bool)}}),
+        "name": f"s{i}", "raw": b"\x00\x01" * i, "chars": np.array(["ab", "c"]), "n": i, "none": None,
+        "empty": torch.empty(0, 3), "half": torch.full((5,), i, dtype=torch.bfloat16),
+    }
+
+
+def tensors_of(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict) or type(x).__module__.startswith("treetensor"):
+        for v in x.values():
+            yield from tensors_of(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors_of(v)
+
+
+def save_rich(d, stackable=False):
+    out = []
+    for i in range(6):
+        s = FileStorage(d / f"{i}.tsl")
+        sample = rich(i)
+        if stackable:
+            del sample["raw"]  # bytes leaves are not stacked (a collate_fn batches them)
+        s.save(sample)
+        out.append(s)
+    return out
+
+
+@pytest.fixture
+def rich_files(tmp_path):
+    return save_rich(tmp_path)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_device_samples_match_host_samples(gpu, tmp_path, num_workers, batch_size):
+    rich_files = save_rich(tmp_path, stackable=batch_size is not None)
+    want = list(DataLoader(StorageDataset(rich_files, batch_size=batch_size), batch_size=None, num_workers=num_workers))
+    got = list(DataLoader(StorageDataset(rich_files, batch_size=batch_size, device="cpu"), batch_size=None,
+                          num_workers=num_workers))
+    assert len(got) == len(want)
+    for g, w in zip(sorted(got, key=lambda s: s["n"] if batch_size is None else s["n"][0]),
+                    sorted(want, key=lambda s: s["n"] if batch_size is None else s["n"][0])):
+        assert_same(w, g)
+        for t in tensors_of(g):
+            assert data_ptr(t) in gpu.allocated or t.numel() == 0, "a tensor did not go through the device copy"
+    assert len(gpu.consumed) == len(got)  # each one waited for on the trainer's side
+
+
+def test_dataloader_side_batching_on_device(gpu, tmp_path):
+    rich_files = []
+    for i in range(6):  # what default_collate can batch (not treetensor trees, None or string arrays)
+        rich_files.append(FileStorage(tmp_path / f"{i}.tsl"))
+        rich_files[-1].save({k: v for k, v in rich(i).items() if k not in ("tree", "none", "chars")})
+    ds = StorageDataset(rich_files, device="cpu")
+    got = list(DataLoader(ds, batch_size=3, num_workers=2))  # each worker batches its own share
+    assert sorted(i for b in got for i in b["n"].tolist()) == list(range(6))
+    for b in got:
+        ids = b["n"].tolist()
+        assert torch.equal(b["obs"], torch.stack([torch.full((4, 8), float(i)) for i in ids]))
+        assert torch.equal(b["nested"][0]["a"], torch.stack([torch.arange(3) + i for i in ids]))
+        assert b["name"] == [f"s{i}" for i in ids] and b["raw"] == [b"\x00\x01" * i for i in ids]
+        assert b["half"].dtype == torch.bfloat16 and b["half"][:, 0].tolist() == ids
+        assert all(data_ptr(t) in gpu.allocated for t in tensors_of(b) if t.numel())  # it crossed as one copy
+
+
+def test_user_collate_fn_result_is_moved(gpu, rich_files):
+    def collate(samples):
+        return {"obs": torch.stack([s["obs"] for s in samples]), "names": [s["name"] for s in samples]}
+
+    got = list(DataLoader(StorageDataset(rich_files, device="cpu"), batch_size=2, num_workers=1, collate_fn=collate))
+    assert [b["names"] for b in got] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]
+    assert torch.equal(got[1]["obs"][0], torch.full((4, 8), 2.0))
+
+
+def test_device_with_a_streaming_source(gpu, tmp_path):
+    q = StorageQueue()
+    for i in range(5):
+        q.put(save(tmp_path, i))
+    q.close()
+    ds = StorageDataset(q, device="cpu", batch_size=2)
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert sorted(int(i) for b in got for i in b["id"]) == list(range(5))
+    assert all(data_ptr(b["obs"]) in gpu.allocated for b in got)
+
+
+@pytest.mark.fake_gpu(capacity=100_000)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_sample_too_large_for_the_device(gpu, files, num_workers):
+    it = iter(DataLoader(StorageDataset(files, device="cpu", batch_size=4), batch_size=None, num_workers=num_workers))
+    with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu, which has"):
+        next(it)
+    del it
+
+
+def test_device_validation():
+    with pytest.raises(ValueError, match="is not a device"):
+        StorageDataset([], device="warp-drive")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"cannot copy to cuda \(torch.cuda.is_available\(\) is False\)"):
+            StorageDataset([], device="cuda")
+    assert StorageDataset([], device="cpu").device is None  # nothing to move
+
+
+def test_release_queue_runs_in_order_and_its_thread_exits():
+    from _fake_gpu import FakeEvent
+
+    q = _pinning.ReleaseQueue()
+    done = []
+    events = [FakeEvent([]) for _ in range(3)]
+    for i, e in enumerate(events):
+        q.put(e, lambda i=i: done.append(i))
+    time.sleep(0.05)
+    assert done == [] and q.pending() == 3  # nothing runs before its event
+    events[1].complete()
+    time.sleep(0.05)
+    assert done == []  # in order: the first is still pending
+    events[0].complete()
+    events[2].complete()
+    q.drain()
+    assert done == [0, 1, 2]
+    wait_for(lambda: not any(t.name == "tsl-slot-release" for t in __import__("threading").enumerate()))

@@ -10,6 +10,8 @@ __all__ = [
     "InsufficientSharedMemoryError",
     "LoadCancelledError",
     "PickleNotAllowedError",
+    "RedisStreamLayoutError",
+    "RedisStreamLostError",
     "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
@@ -119,3 +121,15 @@ class RedisUnavailableError(StorageError, ConnectionError):
 
 class StorageUnavailableError(StorageError, ConnectionError):
     """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+
+
+class RedisStreamLostError(StorageError, RuntimeError):
+    """A Redis stream this process was using vanished: its identity (epoch) key, its stream or its
+    consumer group is gone or was made anew (Redis restarted without persistence, a failover lost
+    unreplicated writes, FLUSHALL, eviction, or ``delete()``). What it held is gone; ``stream`` and
+    ``url`` (no password) name it."""
+
+
+class RedisStreamLayoutError(StorageError, ValueError):
+    """A Redis key that a ``RedisStorageQueue`` would use as its stream exists but was not made by
+    this version of the queue (an older key layout, or something else's key). ``stream`` names it."""

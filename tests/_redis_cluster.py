@@ -80,7 +80,7 @@ class RedisClusterServers:
             self.nodes[port] = RedisServer(d, port=port, args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
                 "--cluster-replica-validity-factor", "0",  # a replica takes over however long it was cut off
-                "--save", "", "--appendonly", "no"))
+                "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no"))
 
     @property
     def url(self) -> str:
@@ -147,8 +147,9 @@ class SentinelServers:
         for name in ("master", "replica", "sentinel"):
             os.mkdir(os.path.join(self.dir, name))
             made.append(os.path.join(self.dir, name))
-        self.master = RedisServer(made[0])
-        self.replica = RedisServer(made[1], args=("--replicaof", "127.0.0.1", str(self.master.port)))
+        self.master = RedisServer(made[0], args=("--repl-diskless-sync-delay", "0"))
+        self.replica = RedisServer(made[1], args=("--replicaof", "127.0.0.1", str(self.master.port),
+                                                  "--repl-diskless-sync-delay", "0"))
         conf = os.path.join(made[2], "sentinel.conf")  # Sentinel rewrites it: a file of its own
         with open(conf, "w") as f:
             f.write(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
@@ -163,7 +164,7 @@ class SentinelServers:
     def start(self) -> SentinelServers:
         self.master.start()
         self.replica.start()
-        _wait("the replica did not sync", lambda: "master_link_status:up" in _ask(self.replica.port, "INFO", "replication"),
+        _wait("the replica did not sync", lambda: _ask(self.replica.port, "INFO", "replication")["master_link_status"] == "up",
               log=self.log)
         self.sentinel.start()
         _wait("the Sentinel does not see the replica", lambda: _ask(

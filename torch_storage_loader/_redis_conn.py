@@ -122,7 +122,10 @@ def node_of(connection: Connection, key: str) -> Any:
 
 def moved(exc: BaseException) -> bool:
     """A single-node client was answered MOVED/ASK: the server is a Redis Cluster node."""
-    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).split(" ", 1)[0] in ("MOVED", "ASK")
+    from redis.exceptions import AskError  # MovedError is one
+
+    return isinstance(exc, AskError) or (isinstance(exc, redis.exceptions.ResponseError)
+                                         and str(exc).split(" ", 1)[0] in ("MOVED", "ASK"))
 
 
 # Transient while a cluster fails over or a replica is promoted: retried like a lost connection.

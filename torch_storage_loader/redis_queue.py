@@ -425,7 +425,7 @@ class RedisStorageQueue:
                 f"name, or delete it: RedisStorageQueue(url, {self.stream!r}).delete() removes the keys of "
                 "both layouts", stream=self.stream, url=self.url) from None
         if _redis_conn.moved(exc) and not self.cluster:
-            raise ValueError(f"Redis at {self.url} is a Redis Cluster node (it answered {text.split()[0]}): "
+            raise ValueError(f"Redis at {self.url} is a Redis Cluster node (it redirected to {text}): "
                              "pass cluster=True to RedisStorageQueue") from None
         if ("NOGROUP" in text or "no such key" in text) and time.monotonic() < deadline:
             self._group_ready = False  # the group or the stream is gone: _ensure_group says how

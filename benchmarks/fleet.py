@@ -64,7 +64,11 @@ TICK_S = 1.0  # progress, CPU sampling and the plot's bins
 # -- collectors and trainers (module level: started through the forkserver) ------------------------
 
 def _die_with_parent() -> None:
-    """SIGKILL this process when its parent (the forkserver, gone with the orchestrator) dies."""
+    """SIGKILL this process when its parent (the forkserver, gone with the orchestrator) dies.
+    SIGUSR1 prints every thread's stack (to see where a stuck process is)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -125,7 +129,8 @@ def trainer(j: int, incarnation: int, cfg: dict) -> None:
     fd = _log(os.path.join(cfg["work"], f"got-{j}-{incarnation}.log"))
     dataset = StorageDataset(queue, on_error="skip")
     # A trainer killed takes its DataLoader workers along (as a crashed node would).
-    loader = DataLoader(dataset, batch_size=None, num_workers=2, worker_init_fn=_worker_init)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, worker_init_fn=_worker_init,
+                        multiprocessing_context="fork")  # fast: the trainer has all it needs imported
     os.write(fd, f"start {time.time():.6f}\n".encode())
     ready = time.time()
     for sample in loader:

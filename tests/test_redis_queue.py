@@ -557,11 +557,24 @@ def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
         RedisStorageQueue(redis_server.url, stream).delete()
 
 
-def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, handles):
-    """Redis restarted empty: consumers, producers and DataLoaders raise RedisStreamLostError (no hang, no end)."""
+def train_until_lost(q: RedisStorageQueue, out, restarted) -> None:
+    """A trainer: DataLoader(StorageDataset(q), num_workers=2); report its first sample, then how it ended."""
     from torch.utils.data import DataLoader
     from torch_storage_loader import StorageDataset
 
+    it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2))
+    out.put(("first", int(next(it)["info"]["id"])))
+    restarted.wait(60)
+    t0 = time.monotonic()
+    try:
+        n = sum(1 for _ in it)
+        out.put(("ended", n, time.monotonic() - t0))
+    except Exception as exc:
+        out.put(("raised", type(exc).__name__, time.monotonic() - t0))
+
+
+def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, handles):
+    """Redis restarted empty: consumers, producers and DataLoaders raise RedisStreamLostError (no hang, no end)."""
     server = fresh_redis_server(appendonly=False)
     stream = _stream()
     q = RedisStorageQueue(server.url, stream, retry_for=10.0)
@@ -569,36 +582,72 @@ def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, 
     for h in handles[:10]:
         producer.put(h)
     held = [q.get(timeout=5) for _ in range(3)]  # delivered, not acknowledged
-    dl = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2))
-    first = next(dl)
-    assert 3 <= int(first["info"]["id"]) < 10
-    del first
-    copy = pickle.loads(pickle.dumps(q))  # knows the stream too, though it never connected
+    ctx = mp.get_context("spawn")
+    out, restarted = ctx.Queue(), ctx.Event()
+    trainer = ctx.Process(target=train_until_lost, args=(q, out, restarted))
+    trainer.start()
+    try:
+        kind, first = out.get(timeout=120)
+        assert kind == "first" and 3 <= first < 10
+        copy = pickle.loads(pickle.dumps(q))  # knows the stream too, though it never connected
 
-    server.stop(signal.SIGKILL)
-    server.start()  # empty: no stream, no group, no epoch
-    t0 = time.monotonic()
-    with pytest.raises(RedisStreamLostError, match=r"identity key .* is gone.*appendonly") as info:
-        q.get(timeout=30)
-    assert time.monotonic() - t0 < 10, "the loss was noticed late"
-    assert info.value.stream == stream and "***" not in info.value.url
-    with pytest.raises(RedisStreamLostError):
-        q.ack(held[0][0])
-    with pytest.raises(RedisStreamLostError):
-        producer.put(handles[10])
-    with pytest.raises(RedisStreamLostError):
-        producer.close()
-    with pytest.raises(RedisStreamLostError) as in_dl:
-        for _ in dl:  # the DataLoader raises; it never ends as if the stream were drained
-            pass
-    del dl, in_dl  # its workers stop; what they held is gone with the stream (logged, never raised)
-    gc.collect()
+        server.stop(signal.SIGKILL)
+        server.start()  # empty: no stream, no group, no epoch
+        restarted.set()
+        t0 = time.monotonic()
+        with pytest.raises(RedisStreamLostError, match=r"identity key .* is gone.*appendonly") as info:
+            q.get(timeout=30)
+        assert time.monotonic() - t0 < 10, "the loss was noticed late"
+        assert info.value.stream == stream and info.value.url == server.url
+        with pytest.raises(RedisStreamLostError):
+            q.ack(held[0][0])
+        with pytest.raises(RedisStreamLostError):
+            producer.put(handles[10])
+        with pytest.raises(RedisStreamLostError):
+            producer.close()
+        ended = out.get(timeout=60)  # the DataLoader raises; it never ends as if the stream were drained
+        assert ended[:2] == ("raised", "RedisStreamLostError") and ended[2] < 15, ended
+        trainer.join(60)
+        assert trainer.exitcode == 0
 
-    fresh = RedisStorageQueue(server.url, stream)  # a new process starts the stream anew (a new epoch)
-    fresh.put(handles[11])
-    with pytest.raises(RedisStreamLostError, match="made anew"):
-        copy.get(timeout=30)
-    with pytest.raises(RedisStreamLostError, match="made anew"):
-        q.get(timeout=30)
-    assert fresh.get(timeout=5)[1] == handles[11]
-    fresh.delete()
+        fresh = RedisStorageQueue(server.url, stream)  # a new process starts the stream anew (a new epoch)
+        fresh.put(handles[11])
+        with pytest.raises(RedisStreamLostError, match="made anew"):
+            copy.get(timeout=30)
+        with pytest.raises(RedisStreamLostError, match="made anew"):
+            q.get(timeout=30)
+        assert fresh.get(timeout=5)[1] == handles[11]
+        fresh.delete()
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        trainer.join()
+        out.close()
+        out.join_thread()
+
+
+def test_entries_another_trainer_holds_do_not_hold_the_end_back(redis_server):
+    """Regression (found by benchmarks/fleet.py): two trainers each with an in-order DataLoader deadlocked at
+    the end of a stream: each held one worker's sample back until its other worker ended, and that worker
+    waited for the other trainer's held entry to be acknowledged."""
+    from torch_storage_loader.redis_queue import _family
+
+    stream = _stream()
+    q = RedisStorageQueue(redis_server.url, stream)
+    trainer_b = RedisStorageQueue(redis_server.url, stream)
+    worker_a = RedisStorageQueue(redis_server.url, stream)
+    try:
+        q.put(FileStorage("/e/0.tsl"))
+        q.put(FileStorage("/e/1.tsl"))
+        q.close()
+        held, _ = trainer_b.get(timeout=5)
+        trainer_b.keep_alive(held, family=_family("b"))  # trainer B's DataLoader has it, not yet trained on
+        worker_a._conn()
+        worker_a.family, worker_a.consumer = _family("a"), _family("a") + "/1"
+        token, _ = worker_a.get(timeout=5)
+        worker_a.ack(token)
+        assert worker_a.get(timeout=5) is None, "trainer A's worker waited for trainer B's sample"
+        assert trainer_b.ack(held) == 1
+        assert q.get(timeout=5) is None
+    finally:
+        q.delete()

@@ -35,6 +35,7 @@ POLL_S = 0.25  # longest blocking read, so that close() and dead producers are n
 TRIM_EVERY_S = 1.0
 MAX_OUTSTANDING = 65536
 LAYOUT = "2"  # the key layout, kept in the stream's meta hash
+TRAINER_SUFFIX = "/trainer"  # the consumer a trainer's ledger keeps its delivered entries under
 
 # Key layout (one stream NAME): the stream is the key NAME itself; everything else is under
 # tsl:{NAME}:..., a fixed set of keys whose hash tag {NAME} puts them in the stream's Redis Cluster
@@ -709,6 +710,10 @@ class RedisStorageQueue:
         others.pop(self.consumer, None)
         if self.family:  # siblings under one trainer: the trainer acknowledges or gives back their entries
             others = {k: n for k, n in others.items() if not k.startswith(self.family + "/")}
+        # Entries another trainer's ledger holds (FAMILY/trainer: its DataLoader has them) are its to
+        # acknowledge. Waiting for them could deadlock two trainers: each in-order DataLoader holds
+        # one worker's sample back until its other worker, waiting here, yields or ends.
+        others = {k: n for k, n in others.items() if not k.endswith(TRAINER_SUFFIX)}
         if sum(others.values()):
             return False  # pending on another consumer: wait for its ack, or claim it after claim_after
         return all(t in self._outstanding for t in ours)  # the rest were read but their reply was lost
@@ -733,7 +738,7 @@ class RedisStorageQueue:
         ids = list(tokens)
         for i in range(0, len(ids), 1000):
             chunk = ids[i:i + 1000]
-            self._call(lambda c: c.xclaim(self.stream, self.group, f"{family}/trainer", 0, chunk, justid=True),
+            self._call(lambda c: c.xclaim(self.stream, self.group, family + TRAINER_SUFFIX, 0, chunk, justid=True),
                        "keep delivered entries")
 
     def _finish(self) -> None:

@@ -83,7 +83,21 @@ def _log(path: str):
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
 
-def collector(k: int, incarnation: int, cfg: dict, stop) -> None:
+def _sleep_unless(path: str, seconds: float) -> bool:
+    """Sleep ``seconds`` unless file ``path`` exists (or appears meanwhile); whether it does.
+
+    A file, not a multiprocessing.Event: a process SIGKILLed inside Event.wait() holds the Event's
+    lock for good, and every other process (and set()) blocks on it."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(0.05, left))
+    return True
+
+
+def collector(k: int, incarnation: int, cfg: dict) -> None:
     """Save trajectories and put their handles until ``stop``; log each acknowledged put."""
     _die_with_parent()
     from torch_storage_loader import FileStorageLoader, RedisStorageQueue, configure_object_store
@@ -99,7 +113,7 @@ def collector(k: int, incarnation: int, cfg: dict, stop) -> None:
     root = f"{cfg['root']}/c{k}" if cfg["store"] == "s3" else os.path.join(cfg["root"], f"c{k}")
     with FileStorageLoader(root, ttl=None, worker_num=1) as loader, queue.producer(f"collector-{k}"):
         for seq in range(cfg["per_collector"]):
-            if stop.wait(rng.uniform(0.5, 1.5) * cfg["rollout_s"]):
+            if _sleep_unless(cfg["stop"], rng.uniform(0.5, 1.5) * cfg["rollout_s"]):
                 break
             kind = 1 if rng.random() < cfg["large_fraction"] else 0
             data = large if kind else small
@@ -217,7 +231,6 @@ class Fleet:
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["numpy", "torch", "torch_storage_loader.dataset",
                                          "torch_storage_loader.file_loader", "torch_storage_loader.redis_queue"])
-        self.stop_collectors = self.ctx.Event()
         self.collectors: dict[int, tuple[mp.Process, int]] = {}
         self.trainers: dict[int, tuple[mp.Process, int]] = {}
         self.faults: list[tuple[str, float]] = []
@@ -260,7 +273,7 @@ class Fleet:
             ready.wait(30)
         via = dict((t, p) for p, t in routes)
         url = f"redis://127.0.0.1:{via.get(redis_port, redis_port)}/0"
-        cfg = {"url": url, "cluster": a.redis_cluster, "replicas": 1 if a.redis_cluster else 0,
+        cfg = {"url": url, "cluster": a.redis_cluster, "stop": os.path.join(self.work, "stop"), "replicas": 1 if a.redis_cluster else 0,
                "store": a.store, "work": self.work, "seed": a.seed, "large_mb": a.large_mb, "small_kb": a.small_kb,
                "large_fraction": a.large_fraction, "rollout_s": a.rollout_ms / 1000, "step_s": a.step_ms / 1000,
                "claim_after": a.claim_after, "retry_s": 120.0, "producer_timeout": 30.0,
@@ -292,7 +305,7 @@ class Fleet:
     # processes
     def start_collector(self, k: int) -> None:
         inc = self.collectors[k][1] + 1 if k in self.collectors else 0
-        p = self.ctx.Process(target=collector, args=(k, inc, self.cfg, self.stop_collectors))
+        p = self.ctx.Process(target=collector, args=(k, inc, self.cfg))
         p.start()
         self.collectors[k] = (p, inc)
 
@@ -398,7 +411,7 @@ class Fleet:
             if produce_end is None and now >= a.seconds:
                 self.sample_cpu()
                 cpu_at_end, produce_end = dict(self.cpu), time.time()
-                self.stop_collectors.set()
+                open(cfg["stop"], "w").close()
                 for p, _ in self.collectors.values():
                     p.join(cfg["retry_s"] + 30)
                 queue.close()

@@ -274,6 +274,13 @@ class RedisStorageQueue:
     append the handle twice. The queue pickles as its URL and options; each process connects on
     first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
     next call reconnects.
+
+    Beyond one server: ``cluster=True`` for any node of a Redis Cluster (all the stream's keys share
+    the hash tag ``{stream}``, so one slot); ``redis+sentinel://host:port[,host:port...]/SERVICE[/DB]``
+    for the master a Sentinel names; ``replicas=N`` makes ``put`` and ``close`` wait until N replicas
+    have them (Redis ``WAIT``), so a failover loses nothing acknowledged. A stream lost under a process
+    that used it (its epoch, stream or group gone or made anew: a restart without persistence, say)
+    raises ``RedisStreamLostError``; consumers never end as if it were drained.
     """
 
     def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,

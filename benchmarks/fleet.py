@@ -67,8 +67,11 @@ def _die_with_parent() -> None:
     """SIGKILL this process when its parent (the forkserver, gone with the orchestrator) dies.
     SIGUSR1 prints every thread's stack (to see where a stuck process is)."""
     import faulthandler
+    import logging
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # s3fs's aiohttp tasks cut by a fault end "never retrieved": asyncio's log, not an error of ours.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     with contextlib.suppress(Exception):
         import ctypes
 

@@ -154,5 +154,5 @@ def test_sentinel_url_validation():
         RedisStorageQueue("redis+sentinel://h:x/svc", "s")
     with pytest.raises(ValueError, match="cluster=True needs"):
         RedisStorageQueue("redis+sentinel://h/svc", "s", cluster=True)
-    q = RedisStorageQueue("redis+sentinel://:pw-secret@h1:1,[::1]:2/svc/3", "s")
-    assert "pw-secret" not in repr(q)
+    q = RedisStorageQueue("redis+sentinel://user:pw-secret@h1:1,[::1]:2/svc/3", "s")
+    assert q.url == "redis+sentinel://user:***@h1:1,[::1]:2/svc/3" and q.url in repr(q)

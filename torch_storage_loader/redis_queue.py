@@ -215,12 +215,8 @@ def redact_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
         if parts.password is None:
             return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts as written (Sentinel URLs list several)
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
     except ValueError:
         return "<unparsable redis URL>"
 

@@ -45,9 +45,11 @@ def _gone(pid: int) -> bool:
 
 
 class RedisServer:
-    def __init__(self, directory: str, *, password: str | None = None, appendonly: bool = False) -> None:
+    def __init__(self, directory: str, *, password: str | None = None, appendonly: bool = False,
+                 port: int | None = None, args: tuple = (), config: str | None = None) -> None:
         self.dir, self.password, self.appendonly = directory, password, appendonly
-        self.port = _free_port()
+        self.port = port or _free_port()
+        self.args, self.config = tuple(args), config  # more arguments; a config file to start from (Sentinel)
         self.pid: int | None = None
 
     @property
@@ -59,11 +61,14 @@ class RedisServer:
         pidfile = os.path.join(self.dir, "redis.pid")
         with contextlib.suppress(OSError):
             os.remove(pidfile)
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", self.dir,
-                "--daemonize", "yes", "--pidfile", pidfile, "--logfile", os.path.join(self.dir, "redis.log"),
-                "--appendonly", "yes" if self.appendonly else "no"]
+        args = [REDIS_SERVER] + ([self.config] if self.config else []) + [
+            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+            "--daemonize", "yes", "--pidfile", pidfile, "--logfile", os.path.join(self.dir, "redis.log")]
+        if not self.config:
+            args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.args
         subprocess.run(args, check=True, stdout=subprocess.DEVNULL, timeout=timeout)
         deadline = time.monotonic() + timeout
         while not (text := _read(pidfile).strip()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -17,7 +19,9 @@ import pytest
 
 from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
 from torch_storage_loader import (FileStorage, HandleRecordError, ProducerDiedError, RedisStorageQueue,
-                                  RedisUnavailableError, UnregisteredStorageTypeError)
+                                  RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError,
+                                  UnregisteredStorageTypeError)
+from torch_storage_loader.redis_queue import stream_keys
 
 
 def _stream() -> str:
@@ -69,8 +73,8 @@ def take_and_hang(q: RedisStorageQueue, n: int, out) -> None:
     time.sleep(600)
 
 
-def produce_then_die(q: RedisStorageQueue) -> None:
-    with q.producer():
+def produce_then_die(q: RedisStorageQueue, name: str | None = None) -> None:
+    with q.producer(name):
         q.put(FileStorage("/data/last.tsl"))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -441,5 +445,209 @@ def test_dataloader_delivers_every_handle_once(redis_server, handles, method):
         assert ids == list(range(len(handles)))
         s = q.stats()
         assert (s["delivered"], s["acked"], s["duplicates"], s["pending"], s["failed"]) == (24, 24, 0, 0, 0)
+    finally:
+        q.delete()
+
+
+def test_produced_under_a_name_a_restarted_producer_takes_over(redis_server):
+    ctx = mp.get_context("spawn")
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.5)
+    try:
+        p = ctx.Process(target=produce_then_die, args=(q, "collector-7"))
+        p.start()
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+        with q.producer("collector-7"):  # restarted under its name: its heartbeat goes on
+            time.sleep(1.0)  # twice producer_timeout
+            assert q.dead_producers() == []
+            token, _ = q.get(timeout=5)
+            q.ack(token)
+            with pytest.raises(_queue.Empty):
+                q.get(timeout=0.3)  # empty, and nobody is dead
+        assert q.dead_producers() == []
+        with pytest.raises(ValueError, match="name=''"):
+            with q.producer(""):
+                pass
+    finally:
+        q.delete()
+
+
+def _keys_of(raw, *streams: str) -> set:
+    """Every key in the database that belongs to one of ``streams`` (either layout)."""
+    out = set()
+    for key in raw.scan_iter(count=1000):
+        key = key.decode()
+        if any(key == s or key.startswith((f"tsl:{{{s}}}:", f"tsl:{s}:")) for s in streams):
+            out.add(key)
+    return out
+
+
+def test_delete_touches_exactly_its_keys(redis_server):
+    """Regression: delete() of stream ``NAME*`` deleted ``NAME-42``'s keys too (a SCAN pattern made of the name)."""
+    base = _stream()
+    star, neighbour = RedisStorageQueue(redis_server.url, base + "*"), RedisStorageQueue(redis_server.url, base + "-42")
+    raw = _raw(redis_server.url)
+    producers = contextlib.ExitStack()
+    try:
+        for q in (star, neighbour):
+            producers.enter_context(q.producer("p"))  # registered, heartbeat alive, until the end
+            q.put(FileStorage("/d/0.tsl"))
+            q.put(FileStorage("/d/1.tsl"))
+            token, _ = q.get(timeout=5)
+            q.ack(token)
+            q.ack(token)  # a duplicate: the dups set exists
+            q.close()
+            raw.set(f"tsl:{q.stream}:closed", b"1")  # 0.1's layout: removed by name too
+        before = _keys_of(raw, neighbour.stream)
+        assert before == set(stream_keys(neighbour.stream)) | {f"tsl:{neighbour.stream}:closed"}
+        neighbour_stats = neighbour.stats()
+        star.delete()
+        assert _keys_of(raw, star.stream) == set(), "delete() left keys of its own"
+        assert _keys_of(raw, neighbour.stream) == before, "delete() touched another stream's keys"
+        assert neighbour.stats() == neighbour_stats
+        token, storage = neighbour.get(timeout=5)
+        assert storage == FileStorage("/d/1.tsl")
+        neighbour.ack(token)
+        assert neighbour.get(timeout=5) is None, "the neighbour is still closed"
+        star.put(FileStorage("/d/again.tsl"))  # a deleted stream starts afresh
+        assert star.get(timeout=5)[1] == FileStorage("/d/again.tsl")
+    finally:
+        producers.close()
+        raw.close()
+        star.delete()
+        neighbour.delete()
+    assert _keys_of(_raw(redis_server.url), star.stream, neighbour.stream) == set()
+
+
+def test_keys_of_a_stream_share_one_cluster_slot():
+    from redis.crc import key_slot
+
+    for name in ("run-42", "a:b", "x*y", "ünï"):
+        assert {key_slot(k.encode()) for k in stream_keys(name)} == {key_slot(name.encode())}
+    with pytest.raises(ValueError, match="may not contain"):
+        RedisStorageQueue("redis://127.0.0.1:1/0", "run-{42}")
+
+
+def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
+    from torch_storage_loader import _codec
+
+    stream = _stream()
+    raw = _raw(redis_server.url)
+    try:  # what 0.1 left: the stream under its name, its group, tsl:NAME:... keys
+        raw.xadd(stream, {"h": _codec.encode(FileStorage("/old/0.tsl"))})
+        raw.xgroup_create(stream, "trainers", id="0")
+        raw.set(f"tsl:{stream}:closed", b"1")
+        raw.hset(f"tsl:{stream}:producers", "host-1-abc", "host pid 1")
+        raw.set(f"tsl:{stream}:hb:host-1-abc", b"1")
+        raw.hset(f"tsl:{stream}:trainers:stats", "delivered", 1)
+        raw.set(f"tsl:{stream}-other:closed", b"1")  # another stream's: never touched
+        q = RedisStorageQueue(redis_server.url, stream)
+        with pytest.raises(RedisStreamLayoutError, match=r"not made by this version.*\.delete\(\)") as info:
+            q.get(timeout=1)
+        assert info.value.stream == stream and pickle.loads(pickle.dumps(info.value)).stream == stream
+        with pytest.raises(RedisStreamLayoutError):
+            q.put(FileStorage("/new/0.tsl"))
+        q.delete()
+        assert _keys_of(raw, stream) == set() and raw.exists(f"tsl:{stream}-other:closed")
+        q.put(FileStorage("/new/0.tsl"))
+        assert q.get(timeout=5)[1] == FileStorage("/new/0.tsl")
+    finally:
+        raw.delete(f"tsl:{stream}-other:closed")
+        raw.close()
+        RedisStorageQueue(redis_server.url, stream).delete()
+
+
+def train_until_lost(q: RedisStorageQueue, out, restarted) -> None:
+    """A trainer: DataLoader(StorageDataset(q), num_workers=2); report its first sample, then how it ended."""
+    from torch.utils.data import DataLoader
+    from torch_storage_loader import StorageDataset
+
+    it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2))
+    out.put(("first", int(next(it)["info"]["id"])))
+    restarted.wait(60)
+    t0 = time.monotonic()
+    try:
+        n = sum(1 for _ in it)
+        out.put(("ended", n, time.monotonic() - t0))
+    except Exception as exc:
+        out.put(("raised", type(exc).__name__, time.monotonic() - t0))
+
+
+def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, handles):
+    """Redis restarted empty: consumers, producers and DataLoaders raise RedisStreamLostError (no hang, no end)."""
+    server = fresh_redis_server(appendonly=False)
+    stream = _stream()
+    q = RedisStorageQueue(server.url, stream, retry_for=10.0)
+    producer = RedisStorageQueue(server.url, stream, retry_for=10.0)
+    for h in handles[:10]:
+        producer.put(h)
+    held = [q.get(timeout=5) for _ in range(3)]  # delivered, not acknowledged
+    ctx = mp.get_context("spawn")
+    out, restarted = ctx.Queue(), ctx.Event()
+    trainer = ctx.Process(target=train_until_lost, args=(q, out, restarted))
+    trainer.start()
+    try:
+        kind, first = out.get(timeout=120)
+        assert kind == "first" and 3 <= first < 10
+        copy = pickle.loads(pickle.dumps(q))  # knows the stream too, though it never connected
+
+        server.stop(signal.SIGKILL)
+        server.start()  # empty: no stream, no group, no epoch
+        restarted.set()
+        t0 = time.monotonic()
+        with pytest.raises(RedisStreamLostError, match=r"identity key .* is gone.*appendonly") as info:
+            q.get(timeout=30)
+        assert time.monotonic() - t0 < 10, "the loss was noticed late"
+        assert info.value.stream == stream and info.value.url == server.url
+        with pytest.raises(RedisStreamLostError):
+            q.ack(held[0][0])
+        with pytest.raises(RedisStreamLostError):
+            producer.put(handles[10])
+        with pytest.raises(RedisStreamLostError):
+            producer.close()
+        ended = out.get(timeout=60)  # the DataLoader raises; it never ends as if the stream were drained
+        assert ended[:2] == ("raised", "RedisStreamLostError") and ended[2] < 15, ended
+        trainer.join(60)
+        assert trainer.exitcode == 0
+
+        fresh = RedisStorageQueue(server.url, stream)  # a new process starts the stream anew (a new epoch)
+        fresh.put(handles[11])
+        with pytest.raises(RedisStreamLostError, match="made anew"):
+            copy.get(timeout=30)
+        with pytest.raises(RedisStreamLostError, match="made anew"):
+            q.get(timeout=30)
+        assert fresh.get(timeout=5)[1] == handles[11]
+        fresh.delete()
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        trainer.join()
+        out.close()
+        out.join_thread()
+
+
+def test_entries_another_trainer_holds_do_not_hold_the_end_back(redis_server):
+    """Regression (found by benchmarks/fleet.py): two trainers each with an in-order DataLoader deadlocked at
+    the end of a stream: each held one worker's sample back until its other worker ended, and that worker
+    waited for the other trainer's held entry to be acknowledged."""
+    from torch_storage_loader.redis_queue import _family
+
+    stream = _stream()
+    q = RedisStorageQueue(redis_server.url, stream)
+    trainer_b = RedisStorageQueue(redis_server.url, stream)
+    worker_a = RedisStorageQueue(redis_server.url, stream)
+    try:
+        q.put(FileStorage("/e/0.tsl"))
+        q.put(FileStorage("/e/1.tsl"))
+        q.close()
+        held, _ = trainer_b.get(timeout=5)
+        trainer_b.keep_alive(held, family=_family("b"))  # trainer B's DataLoader has it, not yet trained on
+        worker_a._conn()
+        worker_a.family, worker_a.consumer = _family("a"), _family("a") + "/1"
+        token, _ = worker_a.get(timeout=5)
+        worker_a.ack(token)
+        assert worker_a.get(timeout=5) is None, "trainer A's worker waited for trainer B's sample"
+        assert trainer_b.ack(held) == 1
+        assert q.get(timeout=5) is None
     finally:
         q.delete()

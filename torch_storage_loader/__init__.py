@@ -23,6 +23,8 @@ _EXPORTS = {
     "PickleNotAllowedError": "errors",
     "ProducerDiedError": "queue",
     "RedisStorageQueue": "redis_queue",
+    "RedisStreamLayoutError": "errors",
+    "RedisStreamLostError": "errors",
     "RedisUnavailableError": "errors",
     "SampleMismatchError": "errors",
     "SampleTooLargeError": "errors",
@@ -62,8 +64,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .errors import (HandleRecordError, InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
-                         RedisUnavailableError, SampleMismatchError, SampleTooLargeError, SampleTooLargeForDeviceError,
-                         SlotPinningWarning, StorageCorruptError,
+                         RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError, SampleMismatchError,
+                         SampleTooLargeError, SampleTooLargeForDeviceError, SlotPinningWarning, StorageCorruptError,
                          StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
                          WorkerDiedError)
     from ._codec import register_storage_type

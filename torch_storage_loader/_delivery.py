@@ -178,7 +178,11 @@ class Ledger:
                 ack = self._acks + (self._pop(list(self._unconfirmed)) if exhausted else [])
                 self._acks = []
                 back = self._pop(list(self._taken))
-            self._settle(ack, back, now=True)
+            try:
+                self._settle(ack, back, now=True)
+            except Exception as exc:  # often from __del__: say it, never raise it there
+                logger.warning("could not settle %d delivered and %d undelivered handles when the DataLoader "
+                               "stopped (they are delivered again once claimed): %s", len(ack), len(back), exc)
         finally:
             for r in self._readers:
                 r.close()

@@ -12,6 +12,8 @@ __all__ = [
     "PickleNotAllowedError",
     "PinRefused",
     "PinThreadUnavailable",
+    "RedisStreamLayoutError",
+    "RedisStreamLostError",
     "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
@@ -140,3 +142,13 @@ class PinRefused(Exception):
 
 class PinThreadUnavailable(RuntimeError):
     """Internal: this torch's DataLoader does not start or use its pin-memory thread as ``device=`` relies on."""
+class RedisStreamLostError(StorageError, RuntimeError):
+    """A Redis stream this process was using vanished: its identity (epoch) key, its stream or its
+    consumer group is gone or was made anew (Redis restarted without persistence, a failover lost
+    unreplicated writes, FLUSHALL, eviction, or ``delete()``). What it held is gone; ``stream`` and
+    ``url`` (no password) name it."""
+
+
+class RedisStreamLayoutError(StorageError, ValueError):
+    """A Redis key that a ``RedisStorageQueue`` would use as its stream exists but was not made by
+    this version of the queue (an older key layout, or something else's key). ``stream`` names it."""

@@ -16,11 +16,13 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from . import _codec
-from .errors import HandleRecordError, RedisUnavailableError, UnregisteredStorageTypeError
+from . import _codec, _redis_conn
+from .errors import (HandleRecordError, RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError,
+                     UnregisteredStorageTypeError)
 from .queue import ProducerDiedError
 from .storage import Storage
 
@@ -32,67 +34,124 @@ FIELD = "h"  # the one field of a stream entry: the handle's JSON record
 POLL_S = 0.25  # longest blocking read, so that close() and dead producers are noticed
 TRIM_EVERY_S = 1.0
 MAX_OUTSTANDING = 65536
+LAYOUT = "2"  # the key layout, kept in the stream's meta hash
+TRAINER_SUFFIX = "/trainer"  # the consumer a trainer's ledger keeps its delivered entries under
+
+# Key layout (one stream NAME): the stream is the key NAME itself; everything else is under
+# tsl:{NAME}:..., a fixed set of keys whose hash tag {NAME} puts them in the stream's Redis Cluster
+# slot, so every script and multi-key command stays on one node (streams spread over masters by
+# name). ``meta`` holds the stream's epoch (a random identity made with the stream: a process that
+# knew it and finds it gone or changed knows the stream was lost) and ``closed``; ``producers`` and
+# ``heartbeats`` (deadlines by the server's clock) the registered producers; ``stats`` and ``dups``
+# every group's counters and duplicate ids, as "GROUP:counter" and "GROUP:id".
+SUFFIXES = ("meta", "producers", "heartbeats", "stats", "dups")
+COUNTERS = ("delivered", "claimed", "acked", "duplicates", "failed", "refused", "lost", "returned")
+
+# Every script that acts on the stream first checks that it is the one this process knew (KEYS[2]
+# is the meta hash, ARGV[1] the epoch): a stream lost and made anew is never read or written as if
+# it were the same one.
+_ALIVE = """
+local epoch = redis.call('HGET', KEYS[2], 'epoch')
+if epoch ~= ARGV[1] then return redis.error_reply('TSLLOST ' .. (epoch and 'renewed' or 'gone')) end
+"""
+
+# Make the stream, its epoch and the group (first use in each process), or check them. ARGV: new
+# epoch, group, the epoch this process knew ('' if none). Returns the epoch.
+_ENSURE = """
+local epoch = redis.call('HGET', KEYS[2], 'epoch')
+if ARGV[3] ~= '' and epoch ~= ARGV[3] then return redis.error_reply('TSLLOST ' .. (epoch and 'renewed' or 'gone')) end
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if not epoch then
+  if exists then return redis.error_reply('TSLLAYOUT ' .. redis.call('TYPE', KEYS[1])['ok']) end
+  epoch = ARGV[1]
+  redis.call('HSET', KEYS[2], 'epoch', epoch, 'layout', '""" + LAYOUT + """')
+elseif not exists then
+  return redis.error_reply('TSLLOST stream')
+end
+local found = false
+if exists then
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    for i = 1, #g, 2 do if g[i] == 'name' and g[i + 1] == ARGV[2] then found = true end end
+  end
+end
+if not found then
+  if ARGV[3] ~= '' then return redis.error_reply('TSLLOST group') end
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[2], '0', 'MKSTREAM')
+end
+return epoch
+"""
+
+_PUT = _ALIVE + "return redis.call('XADD', KEYS[1], '*', '" + FIELD + "', ARGV[2])"
+
+_CLOSE = _ALIVE + "return redis.call('HSET', KEYS[2], 'closed', '1')"
+
+_IS_CLOSED = _ALIVE + "return redis.call('HEXISTS', KEYS[2], 'closed')"
 
 # Delivery: read undelivered entries and count them, in one round trip (no BLOCK inside a script).
-_READ = """
-local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
-if r then redis.call('HINCRBY', KEYS[2], 'delivered', #r[1][2]) end
+_READ = _ALIVE + """
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
+if r then redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', #r[1][2]) end
 return r
 """
 
-# Take over entries idle on any consumer for over ARGV[3] ms; forget consumers with nothing pending.
-_CLAIM = """
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+# Count what a blocking read delivered (BLOCK cannot run in a script), checking the stream first.
+_COUNT = _ALIVE + "return redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', ARGV[3])"
+
+# Take over entries idle on any consumer for over ARGV[4] ms; forget consumers with nothing pending.
+_CLAIM = _ALIVE + """
+local g = ARGV[2] .. ':'
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 'COUNT', ARGV[6])
 local n, d = #r[2], 0
 for _, e in ipairs(r[2]) do
-  if redis.call('SADD', KEYS[3], e[1]) == 1 then d = d + 1 end
+  if redis.call('SADD', KEYS[4], g .. e[1]) == 1 then d = d + 1 end
 end
 if n > 0 then
-  redis.call('HINCRBY', KEYS[2], 'claimed', n)
-  redis.call('HINCRBY', KEYS[2], 'delivered', n)
+  redis.call('HINCRBY', KEYS[3], g .. 'claimed', n)
+  redis.call('HINCRBY', KEYS[3], g .. 'delivered', n)
 end
-if d > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', d) end
+if d > 0 then redis.call('HINCRBY', KEYS[3], g .. 'duplicates', d) end
 local lost = r[3] and #r[3] or 0
-if lost > 0 then redis.call('HINCRBY', KEYS[2], 'lost', lost) end
-for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+if lost > 0 then redis.call('HINCRBY', KEYS[3], g .. 'lost', lost) end
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[2])) do
   local t = {}
   for i = 1, #c, 2 do t[c[i]] = c[i + 1] end
-  if t['pending'] == 0 and t['idle'] > tonumber(ARGV[3]) and t['name'] ~= ARGV[2] then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], t['name'])
+  if t['pending'] == 0 and t['idle'] > tonumber(ARGV[4]) and t['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[2], t['name'])
   end
 end
 return {r[1], r[2], lost}
 """
 
-# Acknowledge; an entry acknowledged before counts once as a duplicate.
-_ACK = """
+# Acknowledge; an entry acknowledged before counts once as a duplicate. ARGV[3]: '1' if failed.
+_ACK = _ALIVE + """
+local g = ARGV[2] .. ':'
 local acked, dups = 0, 0
-for i = 3, #ARGV do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then acked = acked + 1
-  elseif redis.call('SADD', KEYS[3], ARGV[i]) == 1 then dups = dups + 1 end
+for i = 4, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[2], ARGV[i]) == 1 then acked = acked + 1
+  elseif redis.call('SADD', KEYS[4], g .. ARGV[i]) == 1 then dups = dups + 1 end
 end
-if acked > 0 then redis.call('HINCRBY', KEYS[2], 'acked', acked) end
-if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
-if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[2], 'failed', #ARGV - 2) end
+if acked > 0 then redis.call('HINCRBY', KEYS[3], g .. 'acked', acked) end
+if dups > 0 then redis.call('HINCRBY', KEYS[3], g .. 'duplicates', dups) end
+if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], g .. 'failed', #ARGV - 3) end
 return {acked, dups}
 """
 
-# Give entries back: each still pending on a consumer of the family ARGV[2] (so not claimed by
+# Give entries back: each still pending on a consumer of the family ARGV[3] (so not claimed by
 # another meanwhile) is acknowledged and its record appended again, undelivered.
-_RETURN = """
+_RETURN = _ALIVE + """
 local n = 0
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p > 0 and string.sub(p[1][2], 1, #ARGV[2]) == ARGV[2] then
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[2], ARGV[i], ARGV[i], 1)
+  if #p > 0 and string.sub(p[1][2], 1, #ARGV[3]) == ARGV[3] then
     local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XACK', KEYS[1], ARGV[2], ARGV[i])
     if #e > 0 then
       redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
       n = n + 1
     end
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'returned', n) end
+if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':returned', n) end
 return n
 """
 
@@ -119,11 +178,20 @@ end
 return redis.call('XTRIM', KEYS[1], 'MINID', keep)
 """
 
-# Producers registered with producer() whose heartbeat key expired.
-_DEAD = """
+_NOW_MS = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+# A producer's heartbeat: (re)register ARGV[2] as ARGV[4], alive until now + ARGV[3] ms (server clock).
+_BEAT = _ALIVE + _NOW_MS + """
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
+return redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[2])
+"""
+
+# Producers registered with producer() whose heartbeat deadline passed.
+_DEAD = _NOW_MS + """
 local dead = {}
 for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if redis.call('EXISTS', KEYS[2] .. id) == 0 then table.insert(dead, id) end
+  local deadline = redis.call('ZSCORE', KEYS[2], id)
+  if not deadline or tonumber(deadline) < now then table.insert(dead, id) end
 end
 return dead
 """
@@ -136,6 +204,10 @@ end
 return -1
 """
 
+_SCRIPTS = {"ensure": _ENSURE, "put": _PUT, "close": _CLOSE, "is_closed": _IS_CLOSED, "read": _READ,
+            "count": _COUNT, "claim": _CLAIM, "ack": _ACK, "return": _RETURN, "trim": _TRIM, "beat": _BEAT,
+            "dead": _DEAD, "retire": _RETIRE}
+
 
 def redact_url(url: str) -> str:
     """``url`` with its password (if any) replaced by ``***``."""
@@ -143,19 +215,25 @@ def redact_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
         if parts.password is None:
             return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts as written (Sentinel URLs list several)
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
     except ValueError:
         return "<unparsable redis URL>"
 
 
-def _disconnect(client: redis.Redis, pid: int) -> None:
+def _disconnect(close: Callable[[], None], pid: int) -> None:
     if os.getpid() == pid:  # a forked child must not close its parent's sockets
-        client.close()
+        close()
+
+
+def stream_keys(stream: str) -> tuple[str, ...]:
+    """Every key of stream ``stream``: the stream itself, then ``tsl:{stream}:SUFFIX`` for each of SUFFIXES."""
+    return (stream, *(f"tsl:{{{stream}}}:{suffix}" for suffix in SUFFIXES))
+
+
+def _legacy_keys(stream: str) -> tuple[str, str]:
+    """The fixed keys of version 0.1's layout: ``tsl:NAME:closed``, ``tsl:NAME:producers``."""
+    return f"tsl:{stream}:closed", f"tsl:{stream}:producers"
 
 
 def _decode_id(value: Any) -> str:
@@ -192,15 +270,24 @@ class RedisStorageQueue:
     append the handle twice. The queue pickles as its URL and options; each process connects on
     first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
     next call reconnects.
+
+    Beyond one server: ``cluster=True`` for any node of a Redis Cluster (all the stream's keys share
+    the hash tag ``{stream}``, so one slot); ``redis+sentinel://host:port[,host:port...]/SERVICE[/DB]``
+    for the master a Sentinel names; ``replicas=N`` makes ``put`` and ``close`` wait until N replicas
+    have them (Redis ``WAIT``), so a failover loses nothing acknowledged. A stream lost under a process
+    that used it (its epoch, stream or group gone or made anew: a restart without persistence, say)
+    raises ``RedisStreamLostError``; consumers never end as if it were drained.
     """
 
     def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,
                  producer_timeout: float = 10.0, retry_for: float = 5.0, prefetch: int = 1,
-                 allow_pickle: bool = False) -> None:
-        if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}")
+                 allow_pickle: bool = False, cluster: bool = False, replicas: int = 0) -> None:
+        _redis_conn.check(url, cluster, redact_url(str(url)))
         if not stream or not isinstance(stream, str):
             raise ValueError(f"{stream=} must be a non-empty string")
+        if "{" in stream or "}" in stream:
+            raise ValueError(f"{stream=} may not contain '{{' or '}}': the queue puts the name in braces "
+                             "(a Redis Cluster hash tag) so that all the stream's keys share one slot")
         if not group or not isinstance(group, str):
             raise ValueError(f"{group=} must be a non-empty string")
         if not claim_after > 0:
@@ -211,18 +298,22 @@ class RedisStorageQueue:
             raise ValueError(f"{retry_for=} must be >= 0")
         if not (isinstance(prefetch, int) and prefetch >= 1):
             raise ValueError(f"{prefetch=} must be an int >= 1")
+        if not isinstance(cluster, bool):
+            raise TypeError(f"{cluster=} must be a bool")
+        if not (isinstance(replicas, int) and replicas >= 0):
+            raise ValueError(f"{replicas=} must be an int >= 0")
         self._url, self.stream, self.group = url, stream, group
         self.claim_after, self.producer_timeout, self.retry_for = float(claim_after), float(producer_timeout), float(retry_for)
-        self.prefetch, self.allow_pickle = prefetch, allow_pickle
-        base = f"tsl:{stream}"
-        self._k_closed, self._k_producers, self._k_heartbeat = f"{base}:closed", f"{base}:producers", f"{base}:hb:"
-        self._k_stats, self._k_dups = f"{base}:{group}:stats", f"{base}:{group}:dups"
+        self.prefetch, self.allow_pickle, self.cluster, self.replicas = prefetch, allow_pickle, cluster, replicas
+        self._k_meta, self._k_producers, self._k_heartbeats, self._k_stats, self._k_dups = stream_keys(stream)[1:]
+        self._epoch: str | None = None  # the stream's identity, once this queue (or its pickler) saw it
         self._reset()
 
     def _reset(self) -> None:
         """Per-process state: made on first use in each process (and after a fork)."""
         self._pid = os.getpid()
-        self._client: redis.Redis | None = None
+        self._client: Any = None
+        self._connection: _redis_conn.Connection | None = None
         self._closer: weakref.finalize | None = None
         self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -241,15 +332,18 @@ class RedisStorageQueue:
     def __getstate__(self) -> dict:
         return {"url": self._url, "stream": self.stream, "group": self.group, "claim_after": self.claim_after,
                 "producer_timeout": self.producer_timeout, "retry_for": self.retry_for,
-                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle}
+                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle, "cluster": self.cluster,
+                "replicas": self.replicas, "epoch": self._epoch}
 
     def __setstate__(self, state: dict) -> None:
-        url, stream = state.pop("url"), state.pop("stream")
+        url, stream, epoch = state.pop("url"), state.pop("stream"), state.pop("epoch", None)
         self.__init__(url, stream, **state)
+        self._epoch = epoch  # a copy of a queue that knew the stream knows it too: it never makes a new one
 
     def __repr__(self) -> str:
+        extra = (", cluster=True" if self.cluster else "") + (f", replicas={self.replicas}" if self.replicas else "")
         return (f"RedisStorageQueue({self.url!r}, {self.stream!r}, group={self.group!r}, "
-                f"claim_after={self.claim_after})")
+                f"claim_after={self.claim_after}{extra})")
 
     @property
     def url(self) -> str:
@@ -258,28 +352,28 @@ class RedisStorageQueue:
 
     # -- connection and retries -----------------------------------------------------------------
 
-    def _conn(self) -> redis.Redis:
+    def _conn(self) -> Any:
         if self._pid != os.getpid():
             self._reset()  # forked: never share the parent's sockets or consumer name
         if self._client is None:
             with self._lock:
                 if self._client is None:
                     block_ms = int(POLL_S * 1000)
-                    client = redis.Redis.from_url(self._url, socket_connect_timeout=2.0,
-                                                  socket_timeout=5.0 + block_ms / 1000,
-                                                  retry=Retry(NoBackoff(), 0), decode_responses=False)
-                    self._scripts = {name: client.register_script(src) for name, src in
-                                     (("read", _READ), ("claim", _CLAIM), ("ack", _ACK), ("trim", _TRIM),
-                                      ("dead", _DEAD), ("retire", _RETIRE), ("return", _RETURN))}
-                    self._client = client
+                    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3) if self.cluster else Retry(NoBackoff(), 0)
+                    connection = _redis_conn.connect(
+                        self._url, cluster=self.cluster, shown=self.url, connect_timeout=2.0, retry=retry,
+                        socket_timeout=5.0 + block_ms / 1000 + (self.retry_for if self.replicas else 0.0))
+                    client = connection.client
+                    self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
+                    self._connection, self._client = connection, client
                     # backup for a queue dropped without disconnect(): close its sockets, not leave them to gc
-                    self._closer = weakref.finalize(self, _disconnect, client, self._pid)
+                    self._closer = weakref.finalize(self, _disconnect, connection.close, self._pid)
         return self._client
 
     def disconnect(self) -> None:
         """Close this process's connections to Redis (the stream is untouched; the next call reconnects)."""
         with self._lock:
-            closer, self._closer, self._client, self._scripts = self._closer, None, None, {}
+            closer, self._closer, self._client, self._connection, self._scripts = self._closer, None, None, None, {}
         if closer is not None and self._pid == os.getpid():
             closer()
 
@@ -289,7 +383,7 @@ class RedisStorageQueue:
     def __exit__(self, *exc: object) -> None:
         self.disconnect()
 
-    def _call(self, fn: Callable[[redis.Redis], Any], what: str) -> Any:
+    def _call(self, fn: Callable[[Any], Any], what: str, *, ensure: bool = True) -> Any:
         """Run ``fn(client)``, retrying lost connections for ``retry_for`` seconds."""
         deadline = time.monotonic() + self.retry_for
         delay, tries = 0.05, 0
@@ -297,7 +391,7 @@ class RedisStorageQueue:
             tries += 1
             try:
                 client = self._conn()
-                if not self._group_ready:
+                if ensure and not self._group_ready:
                     self._ensure_group(client)
                 return fn(client)
             except redis.AuthenticationError as exc:
@@ -305,7 +399,12 @@ class RedisStorageQueue:
                     f"Redis at {self.url} refused the credentials in the URL while trying to {what} "
                     f"({type(exc).__name__}: {self._scrub(exc)}); check the user and password in the URL",
                     url=self.url) from None
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.RedisError, RedisClusterException) as exc:
+                if isinstance(exc, redis.ResponseError) and not _redis_conn.transient(exc):
+                    self._response_error(exc, deadline)
+                    continue
+                if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not _redis_conn.transient(exc):
+                    raise
                 if time.monotonic() + delay > deadline:
                     raise RedisUnavailableError(
                         f"Redis at {self.url} is unreachable: could not {what} in {tries} tries over "
@@ -314,26 +413,78 @@ class RedisStorageQueue:
                                type(exc).__name__, what, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                self._group_ready = False  # the server restarted without our group: create it again
+
+    def _response_error(self, exc: redis.ResponseError, deadline: float) -> None:
+        """Raise the error a Redis error reply stands for; return to try again (the group is checked first)."""
+        text = str(exc)
+        if "TSLLOST" in text:
+            self._group_ready = False
+            raise self._lost(text.split("TSLLOST", 1)[1].split()[0]) from None
+        if "TSLLAYOUT" in text:
+            kind = text.split("TSLLAYOUT", 1)[1].split()[0]
+            raise RedisStreamLayoutError(
+                f"Redis key {self.stream!r} at {self.url} exists (a {kind}) but has no {self._k_meta!r}: it was "
+                "not made by this version of RedisStorageQueue (0.1 kept its keys as tsl:NAME:*, or it is "
+                "something else's key). Finish that run with the version that made it, use another stream "
+                f"name, or delete it: RedisStorageQueue(url, {self.stream!r}).delete() removes the keys of "
+                "both layouts", stream=self.stream, url=self.url) from None
+        if _redis_conn.moved(exc) and not self.cluster:
+            raise ValueError(f"Redis at {self.url} is a Redis Cluster node (it redirected to {text}): "
+                             "pass cluster=True to RedisStorageQueue") from None
+        if ("NOGROUP" in text or "no such key" in text) and time.monotonic() < deadline:
+            self._group_ready = False  # the group or the stream is gone: _ensure_group says how
+            return
+        raise exc
+
+    def _lost(self, why: str) -> RedisStreamLostError:
+        what = {"gone": f"its identity key {self._k_meta!r} is gone",
+                "renewed": "it was made anew (another epoch) since this process first used it",
+                "stream": "its stream key is gone",
+                "group": f"its consumer group {self.group!r} is gone"}.get(why, why)
+        return RedisStreamLostError(
+            f"Redis stream {self.stream!r} at {self.url} was lost while this process used it: {what}. Its "
+            "undelivered and unacknowledged handles went with it (Redis restarted without persistence, a "
+            "failover lost writes not yet on a replica, FLUSHALL, eviction, or delete()). Run Redis durably "
+            "(appendonly yes, maxmemory-policy noeviction; README: 'Running Redis durably') and start a new "
+            "stream (another name, or delete() this one first)", stream=self.stream, url=self.url)
 
     def _scrub(self, exc: BaseException) -> str:
         text = str(exc)
         password = urllib.parse.urlsplit(self._url).password
         return text.replace(password, "***") if password else text
 
-    def _ensure_group(self, client: redis.Redis) -> None:
-        try:
-            client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def _ensure_group(self, client: Any) -> None:
+        """Make (or check) the stream, its epoch and the group, once per process."""
+        epoch = self._durable("ensure", [self.stream, self._k_meta],
+                              [secrets.token_hex(8), self.group, self._epoch or ""])
+        self._epoch = _decode_id(epoch)
         self._group_ready = True
 
+    def _durable(self, script: str, keys: list, args: list) -> Any:
+        """Run a writing script; with ``replicas``, return only once that many replicas have its writes."""
+        if not self.replicas:
+            return self._scripts[script](keys=keys, args=args)
+        node = _redis_conn.node_of(self._connection, self.stream)
+        try:
+            pipe = node.pipeline(transaction=False)
+            self._scripts[script](keys=keys, args=args, client=pipe)
+            pipe.wait(self.replicas, max(1, int(self.retry_for * 1000)))
+            result, copies = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+            if self.cluster and (_redis_conn.moved(exc) or not isinstance(exc, redis.ResponseError)):
+                with contextlib.suppress(redis.RedisError, RedisClusterException):
+                    self._client.exists(self._k_meta)  # through the cluster client: it learns where the slot went
+                raise redis.ConnectionError(f"the stream's node changed ({type(exc).__name__})") from None
+            raise
+        if copies < self.replicas:
+            raise RedisUnavailableError(
+                f"Redis at {self.url}: only {copies} of replicas={self.replicas} confirmed a write to stream "
+                f"{self.stream!r} within {self.retry_for:g} s; it may be lost if the master fails over now "
+                "(or it may be delivered): try again (a duplicate at worst)", url=self.url)
+        return result
+
     def _keys(self) -> list[str]:
-        return [self.stream, self._k_stats, self._k_dups]
+        return [self.stream, self._k_meta, self._k_stats, self._k_dups]
 
     # -- producers ------------------------------------------------------------------------------
 
@@ -342,24 +493,31 @@ class RedisStorageQueue:
         if not isinstance(storage, Storage):
             raise TypeError(f"RedisStorageQueue holds Storage handles, got {type(storage).__name__}")
         record = _codec.encode(storage)
-        return _decode_id(self._call(lambda c: c.xadd(self.stream, {FIELD: record}), "append a handle"))
+        return _decode_id(self._call(lambda c: self._durable("put", [self.stream, self._k_meta],
+                                                             [self._epoch, record]), "append a handle"))
 
     def close(self) -> None:
         """End the stream for every consumer, once every handle put before it is delivered."""
-        self._call(lambda c: c.set(self._k_closed, b"1"), "close the stream")
+        self._call(lambda c: self._durable("close", [self.stream, self._k_meta], [self._epoch]), "close the stream")
 
     @contextlib.contextmanager
-    def producer(self) -> Iterator[RedisStorageQueue]:
-        """Register this process as a producer for as long as the block runs (see the class doc)."""
-        name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        ttl_ms = int(self.producer_timeout * 1000)
-        key = self._k_heartbeat + name
+    def producer(self, name: str | None = None) -> Iterator[RedisStorageQueue]:
+        """Register this process as a producer for as long as the block runs (see the class doc).
 
-        def beat(c: redis.Redis) -> None:
-            pipe = c.pipeline(transaction=False)
-            pipe.set(key, b"1", px=ttl_ms)
-            pipe.hset(self._k_producers, name, f"{socket.gethostname()} pid {os.getpid()}")
-            pipe.execute()
+        ``name`` (default: ``host-pid-tag``) is how consumers and ``dead_producers()`` know it; a
+        stable one (a collector's rank, a pod name) lets a restarted producer take over its
+        registration: if it is back within ``producer_timeout``, nobody takes it for dead.
+        """
+        if name is None:
+            name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        elif not name or not isinstance(name, str):
+            raise ValueError(f"{name=} must be a non-empty string")
+        ttl_ms = int(self.producer_timeout * 1000)
+        about = f"{socket.gethostname()} pid {os.getpid()}"
+
+        def beat(c: Any) -> None:
+            self._scripts["beat"](keys=[self.stream, self._k_meta, self._k_producers, self._k_heartbeats],
+                                  args=[self._epoch, name, ttl_ms, about])
 
         self._call(beat, "register a producer")
         stop = threading.Event()
@@ -367,7 +525,7 @@ class RedisStorageQueue:
         def loop() -> None:
             while not stop.wait(self.producer_timeout / 4):
                 try:
-                    self._call(lambda c: c.set(key, b"1", px=ttl_ms), "refresh a producer heartbeat")
+                    self._call(beat, "refresh a producer heartbeat")
                 except Exception as exc:  # keep beating: the next try may reach Redis again
                     logger.warning("producer heartbeat for %s failed: %s", self.stream, exc)
 
@@ -378,25 +536,27 @@ class RedisStorageQueue:
         finally:
             stop.set()
             thread.join()
+            self._forget([name])
 
-            def leave(c: redis.Redis) -> None:
-                pipe = c.pipeline(transaction=False)
-                pipe.hdel(self._k_producers, name)
-                pipe.delete(key)
-                pipe.execute()
+    def _forget(self, names: list) -> None:
+        def leave(c: Any) -> None:
+            pipe = c.pipeline(transaction=False)
+            pipe.hdel(self._k_producers, *names)
+            pipe.zrem(self._k_heartbeats, *names)
+            pipe.execute()
 
-            self._call(leave, "unregister a producer")
+        self._call(leave, "unregister producers", ensure=False)
 
     def dead_producers(self) -> list[str]:
-        """Producers registered with ``producer()`` whose heartbeat expired (``host-pid-tag`` names)."""
+        """Producers registered with ``producer()`` whose heartbeat expired (their names)."""
         return [_decode_id(x) for x in self._call(
-            lambda c: self._scripts["dead"](keys=[self._k_producers, self._k_heartbeat]), "check producers")]
+            lambda c: self._scripts["dead"](keys=[self._k_producers, self._k_heartbeats]), "check producers")]
 
     def forget_dead_producers(self) -> list[str]:
         """Unregister the dead producers (after restarting them, say); returns their names."""
         dead = self.dead_producers()
         if dead:
-            self._call(lambda c: c.hdel(self._k_producers, *dead), "unregister dead producers")
+            self._forget(dead)
         return dead
 
     # -- consumers ------------------------------------------------------------------------------
@@ -421,7 +581,8 @@ class RedisStorageQueue:
             if self._read(block_ms=None):
                 continue
             # Seen closed, then read nothing: every entry put before close() was delivered.
-            closed = self._closed or bool(self._call(lambda c: c.exists(self._k_closed), "check the stream"))
+            closed = self._closed or bool(self._call(lambda c: self._scripts["is_closed"](
+                keys=[self.stream, self._k_meta], args=[self._epoch]), "check the stream"))
             if closed and not self._closed:
                 self._closed = True
                 continue
@@ -461,8 +622,8 @@ class RedisStorageQueue:
             return 0
         for t in tokens:
             self._outstanding.pop(t, None)
-        args = [self.group, "1" if failed else "0", *tokens]
-        acked, _ = self._call(lambda c: self._scripts["ack"](keys=self._keys(), args=args), "acknowledge")
+        acked, _ = self._call(lambda c: self._scripts["ack"](
+            keys=self._keys(), args=[self._epoch, self.group, "1" if failed else "0", *tokens]), "acknowledge")
         if time.monotonic() >= self._next_trim:
             self.trim()
         return int(acked)
@@ -478,7 +639,7 @@ class RedisStorageQueue:
             def refuse(c: redis.Redis) -> None:
                 pipe = c.pipeline(transaction=False)
                 pipe.xack(self.stream, self.group, token)
-                pipe.hincrby(self._k_stats, "refused", 1)
+                pipe.hincrby(self._k_stats, f"{self.group}:refused", 1)
                 pipe.execute()
 
             self._call(refuse, "acknowledge a refused entry")
@@ -511,7 +672,7 @@ class RedisStorageQueue:
     def _read(self, block_ms: int | None) -> int:
         if block_ms is None:
             reply = self._call(lambda c: self._scripts["read"](
-                keys=[self.stream, self._k_stats], args=[self.group, self.consumer, self.prefetch]), "read")
+                keys=self._keys(), args=[self._epoch, self.group, self.consumer, self.prefetch]), "read")
         else:
             reply = self._call(lambda c: c.xreadgroup(self.group, self.consumer, {self.stream: ">"},
                                                       count=self.prefetch, block=block_ms), "read")
@@ -519,13 +680,15 @@ class RedisStorageQueue:
             return 0
         entries = reply[0][1]
         if block_ms is not None and entries:
-            self._call(lambda c: c.hincrby(self._k_stats, "delivered", len(entries)), "count deliveries")
+            self._call(lambda c: self._scripts["count"](keys=self._keys(), args=[self._epoch, self.group, len(entries)]),
+                       "count deliveries")
         return self._take(entries)
 
     def _claim(self) -> int:
         min_idle = int(self.claim_after * 1000)
         cursor, entries, lost = self._call(lambda c: self._scripts["claim"](
-            keys=self._keys(), args=[self.group, self.consumer, min_idle, self._claim_cursor, 100]), "claim")
+            keys=self._keys(), args=[self._epoch, self.group, self.consumer, min_idle, self._claim_cursor, 100]),
+            "claim")
         self._claim_cursor = _decode_id(cursor)
         if lost:
             logger.warning("Redis stream %s: %d pending entries were deleted before anyone acknowledged them "
@@ -550,6 +713,10 @@ class RedisStorageQueue:
         others.pop(self.consumer, None)
         if self.family:  # siblings under one trainer: the trainer acknowledges or gives back their entries
             others = {k: n for k, n in others.items() if not k.startswith(self.family + "/")}
+        # Entries another trainer's ledger holds (FAMILY/trainer: its DataLoader has them) are its to
+        # acknowledge. Waiting for them could deadlock two trainers: each in-order DataLoader holds
+        # one worker's sample back until its other worker, waiting here, yields or ends.
+        others = {k: n for k, n in others.items() if not k.endswith(TRAINER_SUFFIX)}
         if sum(others.values()):
             return False  # pending on another consumer: wait for its ack, or claim it after claim_after
         return all(t in self._outstanding for t in ours)  # the rest were read but their reply was lost
@@ -564,9 +731,9 @@ class RedisStorageQueue:
             return 0
         for t in tokens:
             self._outstanding.pop(t, None)
-        args = [self.group, f"{family}/" if family else self.consumer, *tokens]
-        return int(self._call(lambda c: self._scripts["return"](keys=[self.stream, self._k_stats], args=args),
-                              "give entries back"))
+        return int(self._call(lambda c: self._scripts["return"](
+            keys=self._keys(), args=[self._epoch, self.group, f"{family}/" if family else self.consumer, *tokens]),
+            "give entries back"))
 
     def keep_alive(self, *tokens: str, family: str) -> None:
         """Reset the idle time of delivered entries (held by ``family``'s trainer), so that no other
@@ -574,7 +741,7 @@ class RedisStorageQueue:
         ids = list(tokens)
         for i in range(0, len(ids), 1000):
             chunk = ids[i:i + 1000]
-            self._call(lambda c: c.xclaim(self.stream, self.group, f"{family}/trainer", 0, chunk, justid=True),
+            self._call(lambda c: c.xclaim(self.stream, self.group, family + TRAINER_SUFFIX, 0, chunk, justid=True),
                        "keep delivered entries")
 
     def _finish(self) -> None:
@@ -594,16 +761,17 @@ class RedisStorageQueue:
         undelivered by a stopped DataLoader, and delivered again); and now: ``length``
         (entries in the stream), ``pending`` (delivered, not acknowledged), ``undelivered``.
         """
-        def look(c: redis.Redis) -> tuple:
+        fields = [f"{self.group}:{name}" for name in COUNTERS]
+
+        def look(c: Any) -> tuple:
             pipe = c.pipeline(transaction=False)
-            pipe.hgetall(self._k_stats)
+            pipe.hmget(self._k_stats, fields)
             pipe.xlen(self.stream)
             pipe.xinfo_groups(self.stream)
             return pipe.execute()
 
         counts, length, groups = self._call(look, "read stats")
-        out = {k: 0 for k in ("delivered", "claimed", "acked", "duplicates", "failed", "refused", "lost", "returned")}
-        out.update({_decode_id(k): int(v) for k, v in counts.items()})
+        out = {name: int(v or 0) for name, v in zip(COUNTERS, counts)}
         mine = next((g for g in groups if _decode_id(g["name"]) == self.group), {})
         out["length"] = int(length)
         out["pending"] = int(mine.get("pending", 0))
@@ -612,14 +780,28 @@ class RedisStorageQueue:
         return out
 
     def delete(self) -> None:
-        """Delete the stream and every key of this queue (all groups' counts included)."""
-        def drop(c: redis.Redis) -> None:
-            keys = list(c.scan_iter(match=f"tsl:{self.stream}:*", count=1000))
-            c.delete(self.stream, *keys)
+        """Delete the stream and exactly its keys (every group's counts included), and nothing else.
 
-        self._call(drop, "delete the stream")
+        Also deletes what version 0.1 kept for a stream of this name (``tsl:NAME:closed``,
+        ``...:producers``, ``...:hb:PRODUCER`` and ``...:GROUP:stats`` / ``...:GROUP:dups`` of its groups),
+        by name, never by pattern.
+        """
+        def drop(c: Any) -> None:
+            closed, producers = _legacy_keys(self.stream)
+            groups = {self.group}
+            with contextlib.suppress(redis.ResponseError):  # no stream (any more), or not a stream
+                groups |= {_decode_id(g["name"]) for g in c.xinfo_groups(self.stream)}
+            legacy = [closed, producers, *(f"tsl:{self.stream}:{g}:{kind}" for g in groups for kind in ("stats", "dups"))]
+            with contextlib.suppress(redis.ResponseError):
+                legacy += [f"tsl:{self.stream}:hb:{_decode_id(p)}" for p in c.hkeys(producers)]
+            for key in legacy:  # one by one: in a cluster they live in different slots
+                c.delete(key)
+            c.delete(*stream_keys(self.stream))  # one slot
+
+        self._call(drop, "delete the stream", ensure=False)
         self._group_ready = False
         self._closed = False
+        self._epoch = None
 
     def as_source(self) -> RedisSource:
         return RedisSource(self)

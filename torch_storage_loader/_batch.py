@@ -55,7 +55,7 @@ def _merge(specs: list[list], path: str, names: list[str]) -> list:
             if len(s[1]) != len(first[1]):
                 raise _mismatch(path, names[0], names[j], f"length {len(first[1])}", f"length {len(s[1])}")
         return [tag, [_merge([s[1][i] for s in specs], f"{path}[{i}]", names) for i in range(len(first[1]))]]
-    raise ValueError(f"unknown tree node tag {tag!r}")
+    raise ValueError("unknown tree node tag")
 
 
 def _kind(node: list) -> str:

@@ -75,8 +75,12 @@ class SlotFiller:
         arrays, size = _format.layout(leaves)
         header = Header(spec, arrays, 0, size)
         lease = self.alloc.lease(size, path, opts)
-        for leaf, e in zip(leaves, arrays):
-            lease.view[e.offset: e.offset + e.nbytes] = leaf.data
+        try:
+            for leaf, e in zip(leaves, arrays):
+                lease.view[e.offset: e.offset + e.nbytes] = leaf.data
+        except BaseException:
+            lease.abort()
+            raise
         return lease.info, lease.commit(header)
 
     # -------------------------------------------------------------------------------- batches
@@ -94,7 +98,7 @@ class SlotFiller:
                 batch = plan(headers, names)
                 lease = self.alloc.lease(batch.data_size, names[0], opts)
                 for j, (fd, h, s) in enumerate(zip(fds, headers, storages)):
-                    _read(fd, file_iovecs(h, batch, j, lease.view, self._scratch), h.data_offset, s.path, lease)
+                    _read(fd, _iovecs(h, batch, j, lease, self._scratch), h.data_offset, s.path, lease)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -116,10 +120,14 @@ class SlotFiller:
             headers.append(Header(spec, arrays, 0, size))
         batch = plan(headers, names)
         lease = self.alloc.lease(batch.data_size, names[0], opts)
-        for j, (_, leaves) in enumerate(encoded):
-            for leaf, b in zip(leaves, batch.arrays):
-                start = b.offset + j * leaf.nbytes
-                lease.view[start: start + leaf.nbytes] = leaf.data
+        try:
+            for j, (_, leaves) in enumerate(encoded):
+                for leaf, b in zip(leaves, batch.arrays):
+                    start = b.offset + j * leaf.nbytes
+                    lease.view[start: start + leaf.nbytes] = leaf.data
+        except BaseException:
+            lease.abort()
+            raise
         return lease.info, lease.commit(batch)
 
     def materialize_here(self, payload: Any) -> Any:
@@ -172,6 +180,15 @@ def _read(fd: int, views: list, offset: int, path: str, lease: Lease) -> None:
     finally:
         for v in views:
             v.release()
+
+
+def _iovecs(sample: Header, batch: Header, j: int, lease: Lease, scratch: memoryview) -> list:
+    """``file_iovecs`` into ``lease``, which is given back if they cannot be made."""
+    try:
+        return file_iovecs(sample, batch, j, lease.view, scratch)
+    except BaseException:
+        lease.abort()
+        raise
 
 
 def _is_plain_file(storage: Storage) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "StorageUnavailableError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
+    "UntrustedStorageError",
     "WorkerDiedError",
 ]
 
@@ -119,3 +120,9 @@ class RedisUnavailableError(StorageError, ConnectionError):
 
 class StorageUnavailableError(StorageError, ConnectionError):
     """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+
+
+class UntrustedStorageError(StorageError, PermissionError):
+    """A handle or file this consumer refuses to touch: a network handle naming a path or bucket
+    outside its ``trusted_roots``, or a file that is a symbolic link or not a regular file (a FIFO,
+    a device, a directory). ``path`` names it."""

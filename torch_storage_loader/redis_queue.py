@@ -19,8 +19,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import _codec
-from .errors import HandleRecordError, RedisUnavailableError, UnregisteredStorageTypeError
+from . import _codec, _limits, _trust
+from .errors import HandleRecordError, RedisUnavailableError, StorageError, UnregisteredStorageTypeError, UntrustedStorageError
 from .queue import ProducerDiedError
 from .storage import Storage
 
@@ -29,20 +29,43 @@ __all__ = ["RedisSource", "RedisStorageQueue", "redact_url"]
 logger = logging.getLogger("torch_storage_loader")
 
 FIELD = "h"  # the one field of a stream entry: the handle's JSON record
-POLL_S = 0.25  # longest blocking read, so that close() and dead producers are noticed
+POLL_S = 0.25  # how often an idle consumer looks at close() and dead producers
+IDLE_POLL_S = (0.005, 0.05)  # an idle consumer asks for new entries this often (doubling from the first)
+REFUSED = "!"  # the field a read script puts in place of an entry it refused, with why
 TRIM_EVERY_S = 1.0
 MAX_OUTSTANDING = 65536
 
+# Entries are checked in Redis before they are sent: one that is not exactly one 'h' field of at
+# most ARGV[limit] bytes comes back as {'!', why}, so a huge entry never crosses the network.
+_BOUND = """
+local function bound(entries, limit)
+  for _, e in ipairs(entries) do
+    local f = e[2]
+    if type(f) == 'table' then
+      if #f ~= 2 or f[1] ~= 'h' then
+        e[2] = {'!', 'has ' .. math.floor(#f / 2) .. ' fields, not one h field holding a handle record'}
+      elseif string.len(f[2]) > limit then
+        e[2] = {'!', 'holds ' .. string.len(f[2]) .. ' bytes, over the ' .. limit .. ' of a handle record'}
+      end
+    end
+  end
+end
+"""
+
 # Delivery: read undelivered entries and count them, in one round trip (no BLOCK inside a script).
-_READ = """
+_READ = _BOUND + """
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
-if r then redis.call('HINCRBY', KEYS[2], 'delivered', #r[1][2]) end
+if r then
+  redis.call('HINCRBY', KEYS[2], 'delivered', #r[1][2])
+  bound(r[1][2], tonumber(ARGV[4]))
+end
 return r
 """
 
 # Take over entries idle on any consumer for over ARGV[3] ms; forget consumers with nothing pending.
-_CLAIM = """
+_CLAIM = _BOUND + """
 local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+bound(r[2], tonumber(ARGV[6]))
 local n, d = #r[2], 0
 for _, e in ipairs(r[2]) do
   if redis.call('SADD', KEYS[3], e[1]) == 1 then d = d + 1 end
@@ -137,20 +160,48 @@ return -1
 """
 
 
+# Query parameters redis-py takes that hold nothing secret; every other one's value is hidden.
+_PLAIN_QUERY = frozenset({"db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
+                          "max_connections", "health_check_interval", "timeout", "protocol", "client_name",
+                          "decode_responses", "ssl_cert_reqs", "ssl_check_hostname", "ssl_ca_certs", "ssl_certfile",
+                          "ssl_keyfile", "ssl_ca_path", "ssl_min_version", "ssl_ciphers"})
+
+
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``."""
+    """``url`` without its secrets: user and password (``***@host``), and the value of every query
+    parameter but plain settings such as ``db`` (``?password=***``, ``ssl_password=***``...)."""
     try:
         parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
     except ValueError:
         return "<unparsable redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = []
+    for item in parts.query.split("&") if parts.query else []:
+        key, eq, _ = item.partition("=")
+        plain = urllib.parse.unquote(key) in _PLAIN_QUERY
+        query.append(item if plain else f"{key}{eq}***" if eq else "***")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query="&".join(query),
+                                                  fragment="***" if parts.fragment else ""))
+
+
+def _secrets(url: str) -> list[str]:
+    """Every secret ``redact_url`` hides, as written in ``url`` and as redis-py decodes it, longest first."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return [url]
+    found = []
+    if "@" in parts.netloc:
+        found += parts.netloc.rsplit("@", 1)[0].split(":", 1)
+    for item in parts.query.split("&") if parts.query else []:
+        key, eq, value = item.partition("=")
+        if urllib.parse.unquote(key) not in _PLAIN_QUERY:
+            found.append(value if eq else key)
+    found.append(parts.fragment)
+    found += [urllib.parse.unquote(x) for x in found]
+    return sorted({x for x in found if x}, key=len, reverse=True)
 
 
 def _disconnect(client: redis.Redis, pid: int) -> None:
@@ -186,9 +237,16 @@ class RedisStorageQueue:
     undelivered one (``XTRIM MINID``), so an undelivered or unacknowledged entry is never dropped,
     and memory holds only those. There is no length cap: a stream nobody reads grows.
 
+    Whoever can write to the stream is not trusted: each entry is checked in Redis before it is
+    sent (one ``h`` field of at most 64 KiB), then decoded as data with an exact schema (see
+    ``_codec``), and a ``FileStorage`` or ``ObjectStorage`` handle is delivered only if it names a
+    file under one of ``trusted_roots`` (absolute directories) or an object under one of them
+    (``s3://bucket/prefix``); with none given, every such handle is refused. A refused entry is
+    acknowledged and counted (``stats()["refused"]``), never delivered again.
+
     Connection loss is retried with back-off for ``retry_for`` seconds, then raises
-    ``RedisUnavailableError`` naming the URL without its password (``rediss://`` and passwords
-    come from the URL; they are never logged or shown). A ``put`` retried after a lost reply may
+    ``RedisUnavailableError`` naming the URL without its secrets (``rediss://``, users and passwords
+    come from the URL, in any form redis-py reads; they are never logged or shown). A ``put`` retried after a lost reply may
     append the handle twice. The queue pickles as its URL and options; each process connects on
     first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
     next call reconnects.
@@ -196,7 +254,7 @@ class RedisStorageQueue:
 
     def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,
                  producer_timeout: float = 10.0, retry_for: float = 5.0, prefetch: int = 1,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, trusted_roots: list[str] | None = None) -> None:
         if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}")
         if not stream or not isinstance(stream, str):
@@ -211,6 +269,9 @@ class RedisStorageQueue:
             raise ValueError(f"{retry_for=} must be >= 0")
         if not (isinstance(prefetch, int) and prefetch >= 1):
             raise ValueError(f"{prefetch=} must be an int >= 1")
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"{allow_pickle=} must be a bool")
+        self._roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
         self._url, self.stream, self.group = url, stream, group
         self.claim_after, self.producer_timeout, self.retry_for = float(claim_after), float(producer_timeout), float(retry_for)
         self.prefetch, self.allow_pickle = prefetch, allow_pickle
@@ -241,7 +302,7 @@ class RedisStorageQueue:
     def __getstate__(self) -> dict:
         return {"url": self._url, "stream": self.stream, "group": self.group, "claim_after": self.claim_after,
                 "producer_timeout": self.producer_timeout, "retry_for": self.retry_for,
-                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle}
+                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle, "trusted_roots": self._roots}
 
     def __setstate__(self, state: dict) -> None:
         url, stream = state.pop("url"), state.pop("stream")
@@ -253,8 +314,13 @@ class RedisStorageQueue:
 
     @property
     def url(self) -> str:
-        """The URL without its password."""
+        """The URL without its secrets (user, password, and any query parameter but plain settings)."""
         return redact_url(self._url)
+
+    @property
+    def trusted_roots(self) -> list[str]:
+        """The directories and ``proto://bucket/prefix`` roots handles read from this queue must lie under."""
+        return list(self._roots.dirs) + self._roots.urls()
 
     # -- connection and retries -----------------------------------------------------------------
 
@@ -264,9 +330,7 @@ class RedisStorageQueue:
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    block_ms = int(POLL_S * 1000)
-                    client = redis.Redis.from_url(self._url, socket_connect_timeout=2.0,
-                                                  socket_timeout=5.0 + block_ms / 1000,
+                    client = redis.Redis.from_url(self._url, socket_connect_timeout=2.0, socket_timeout=5.0,
                                                   retry=Retry(NoBackoff(), 0), decode_responses=False)
                     self._scripts = {name: client.register_script(src) for name, src in
                                      (("read", _READ), ("claim", _CLAIM), ("ack", _ACK), ("trim", _TRIM),
@@ -321,8 +385,9 @@ class RedisStorageQueue:
 
     def _scrub(self, exc: BaseException) -> str:
         text = str(exc)
-        password = urllib.parse.urlsplit(self._url).password
-        return text.replace(password, "***") if password else text
+        for secret in _secrets(self._url):
+            text = text.replace(secret, "***")
+        return text
 
     def _ensure_group(self, client: redis.Redis) -> None:
         try:
@@ -418,7 +483,7 @@ class RedisStorageQueue:
                 self._next_claim = now + max(0.05, self.claim_after / 4)
                 if self._claim():
                     continue
-            if self._read(block_ms=None):
+            if self._read():
                 continue
             # Seen closed, then read nothing: every entry put before close() was delivered.
             closed = self._closed or bool(self._call(lambda c: c.exists(self._k_closed), "check the stream"))
@@ -445,7 +510,7 @@ class RedisStorageQueue:
                 wait = min(wait, left)
             if closed:
                 time.sleep(wait)
-            elif self._read(block_ms=max(1, int(wait * 1000))):
+            elif self._wait_for_entries(wait):
                 continue
 
     def __iter__(self) -> Iterator[tuple[str, Storage]]:
@@ -496,36 +561,53 @@ class RedisStorageQueue:
             if isinstance(fields, list):  # a script's reply: [field, value, ...]
                 fields = dict(zip(fields[::2], fields[1::2]))
             try:
+                why = fields.get(REFUSED.encode()) if len(fields) == 1 else None
+                if why is not None:  # refused by the read script, in Redis
+                    raise HandleRecordError(
+                        f"stream entry {token} {_decode_id(why)}: not an entry RedisStorageQueue.put writes into "
+                        f"stream {self.stream!r}; refused without reading it")
                 raw = fields.get(FIELD.encode())
                 if raw is None or len(fields) != 1:
                     raise HandleRecordError(
-                        f"stream entry {token} has fields {sorted(map(_decode_id, fields))[:8]}, not one {FIELD!r} "
-                        "field holding a handle record: something other than RedisStorageQueue.put writes "
-                        f"into stream {self.stream!r}")
-                item: Any = _codec.decode(raw, allow_pickle=self.allow_pickle)
-            except (HandleRecordError, UnregisteredStorageTypeError) as exc:
+                        f"stream entry {token} has {len(fields)} fields, not one {FIELD!r} field holding a handle "
+                        f"record: something other than RedisStorageQueue.put writes into stream {self.stream!r}")
+                item: Any = _codec.decode(raw, allow_pickle=self.allow_pickle, trusted_roots=self._roots)
+            except StorageError as exc:
                 item = exc
+            except Exception as exc:  # noqa: BLE001 - whatever a record provokes, it is refused, never raised
+                item = HandleRecordError(f"stream entry {token} could not be decoded ({type(exc).__name__}); refused")
             self._buffer.append((token, item))
         return len(entries)
 
-    def _read(self, block_ms: int | None) -> int:
-        if block_ms is None:
-            reply = self._call(lambda c: self._scripts["read"](
-                keys=[self.stream, self._k_stats], args=[self.group, self.consumer, self.prefetch]), "read")
-        else:
-            reply = self._call(lambda c: c.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                                      count=self.prefetch, block=block_ms), "read")
+    def _read(self) -> int:
+        reply = self._call(lambda c: self._scripts["read"](
+            keys=[self.stream, self._k_stats],
+            args=[self.group, self.consumer, self.prefetch, _limits.RECORD_MAX_BYTES]), "read")
         if not reply:
             return 0
-        entries = reply[0][1]
-        if block_ms is not None and entries:
-            self._call(lambda c: c.hincrby(self._k_stats, "delivered", len(entries)), "count deliveries")
-        return self._take(entries)
+        return self._take(reply[0][1])
+
+    def _wait_for_entries(self, wait: float) -> int:
+        """Ask for new entries every few milliseconds for up to ``wait`` seconds; how many came.
+
+        Not a blocking XREADGROUP: that hands entries over whole, before their size could be
+        checked; the read script checks it in Redis.
+        """
+        deadline = time.monotonic() + wait
+        pause = IDLE_POLL_S[0]
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(pause, left))
+            got = self._read()
+            if got:
+                return got
+            pause = min(2 * pause, IDLE_POLL_S[1])
+        return 0
 
     def _claim(self) -> int:
         min_idle = int(self.claim_after * 1000)
         cursor, entries, lost = self._call(lambda c: self._scripts["claim"](
-            keys=self._keys(), args=[self.group, self.consumer, min_idle, self._claim_cursor, 100]), "claim")
+            keys=self._keys(), args=[self.group, self.consumer, min_idle, self._claim_cursor, 100,
+                                     _limits.RECORD_MAX_BYTES]), "claim")
         self._claim_cursor = _decode_id(cursor)
         if lost:
             logger.warning("Redis stream %s: %d pending entries were deleted before anyone acknowledged them "
@@ -621,8 +703,16 @@ class RedisStorageQueue:
         self._group_ready = False
         self._closed = False
 
-    def as_source(self) -> RedisSource:
-        return RedisSource(self)
+    def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource:
+        """The queue as a ``StorageDataset`` source; ``trusted_roots`` are added to the queue's own."""
+        extra = _trust.roots(trusted_roots)
+        if not extra:
+            return RedisSource(self)
+        state = self.__getstate__()
+        state["trusted_roots"] = self._roots | extra
+        queue = RedisStorageQueue.__new__(RedisStorageQueue)
+        queue.__setstate__(state)
+        return RedisSource(queue)
 
 
 class RedisSource:
@@ -638,6 +728,7 @@ class RedisSource:
 
     def __init__(self, queue: RedisStorageQueue) -> None:
         self.queue = queue
+        self.refused = 0  # entries refused in this process (Redis counts them all: stats()["refused"])
 
     def __getstate__(self) -> dict:
         return {"queue": self.queue}
@@ -651,7 +742,16 @@ class RedisSource:
             q._conn()  # per-process state first, then the name
             q.family = _family(family)
             q.consumer = f"{q.family}/{os.getpid()}-{secrets.token_hex(3)}"
-        yield from q
+        while True:
+            try:
+                item = q.get()
+            except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+                self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
+                _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
+                continue
+            if item is None:
+                return
+            yield item
 
     ack_in_background = True  # the trainer's ledger thread sends acknowledgements in batches
 

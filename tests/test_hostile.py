@@ -307,6 +307,27 @@ def test_a_refused_batch_never_leaks_a_slot(tmp_path):
         filler.close()
 
 
+def test_stacking_files_with_long_keys_costs_what_they_weigh(tmp_path):
+    from torch_storage_loader import SampleMismatchError, _batch, _format
+
+    def chain(tag: str) -> dict:
+        sample: dict = {"x": np.zeros(2, np.float32)}
+        for level in range(60):
+            sample = {f"{tag}{level:02d}" + "k" * (100 << 10): sample}
+        return sample
+
+    headers = []
+    for name, tag in (("a", "a"), ("b", "a"), ("c", "c")):
+        FileStorage(tmp_path / f"{name}.tsl").save(chain(tag))
+        with open(tmp_path / f"{name}.tsl", "rb") as f:
+            headers.append(_format.read_header(f.fileno(), name))
+    peak = _traced_peak(lambda: _batch.plan(headers[:2], ["a", "b"]))
+    assert peak < 64 << 20, f"stacking two 6 MB headers took {peak >> 20} MiB"
+    with pytest.raises(SampleMismatchError) as info:
+        _batch.plan([headers[0], headers[2]], ["a", "c"])
+    assert len(str(info.value)) < 2000
+
+
 def test_a_short_second_header_read_is_a_corrupt_error():
     url = f"memory://tsl-{uuid.uuid4().hex[:8]}/big-header.tsl"
     h = ObjectStorage(url)

@@ -95,8 +95,8 @@ def _check_json(value: Any, where: str, depth: int = 0) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise HandleRecordError(f"{where} has a non-string key {k!r}")
-            _check_json(v, f"{where}[{k!r}]", depth + 1)
+                raise HandleRecordError(f"{where} has a non-string key of type {type(k).__name__}")
+            _check_json(v, f"{where}[{_show(k)}]" if len(where) < 200 else where, depth + 1)
         return
     raise HandleRecordError(f"{where} is a {type(value).__name__}: handle fields must be JSON values")
 
@@ -151,7 +151,7 @@ def decode(raw: bytes | str, *, allow_pickle: bool = False, trusted_roots: _trus
         for key, value in fields.items():
             if key.startswith("__") or callable(getattr(cls, key, None)):
                 raise HandleRecordError(f"a {name} record sets {_show(key)}, which is not a data field of {name}")
-            _check_json(value, f"{name}.{key}")
+            _check_json(value, f"{name}.{_show(key)[1:-1]}")
         if "allow_pickle" in fields and type(fields["allow_pickle"]) is not bool:
             raise HandleRecordError(f"a {name} record sets allow_pickle to a {type(fields['allow_pickle']).__name__}, "
                                     "not a JSON boolean; refused")

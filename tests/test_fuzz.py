@@ -175,14 +175,49 @@ def mutated_bytes(draw, raw: bytes):
     return bytes(raw)
 
 
+def _chain(depth: int) -> list:
+    node: list = ["a", 0]
+    for _ in range(depth):
+        node = ["l", [node]]
+    return node
+
+
+# Tree nodes that lie: each breaks one rule of the spec (arity, types, ranges, numbering, depth).
+BAD_NODES = [["f", "0x1p99999"], ["f", "-0x1p99999"], ["f", 1.5], ["f", "1e5"], ["c", "0x1p99999", "0x0p+0"],
+             ["c", "0x1p+0"], ["a", 99], ["a", -1], ["a", True], ["a", "0"], ["a"], ["d", ["k"], []],
+             ["d", ["k", "j"], [["n"]]], ["d", [["int", "x"]], [["n"]]], ["d", [["int", True]], [["n"]]],
+             ["od", [["str", 1]], [["n"]]], ["tt", [["int", 1]], [["n"]]], ["tn", [1], [["n"]]], ["l", "x"],
+             ["t", [["q"]]], ["v", [["i", 1]]], ["s", 5], ["s"], ["b", 1], ["b", "true"], ["i", True], ["i", 1.0],
+             ["n", 1], [], "n", None, 7, {"a": 0}, [["a", 0]], _chain(150), _chain(99), ["l", [DEEP]]]
+
+
+def _tree_nodes(node, path):
+    """Paths to the tree nodes under ``node`` (the spec's lists that start with a tag)."""
+    if type(node) is not list or not node or type(node[0]) is not str:
+        return
+    yield path
+    tag = node[0]
+    children = node[2] if tag in ("d", "od", "tt", "tn") and len(node) == 3 else node[1] if tag in ("l", "t") else []
+    base = path + ((2,) if tag in ("d", "od", "tt", "tn") else (1,))
+    for i, child in enumerate(children if type(children) is list else []):
+        yield from _tree_nodes(child, base + (i,))
+
+
 @st.composite
 def hostile_files(draw):
-    """A file a writer could drop: a valid one damaged at the byte level or in its header's values."""
+    """A file a writer could drop: a valid one damaged at the byte level, in its header's values, or
+    with a tree node that lies."""
     base = draw(st.sampled_from(BASES))
-    if draw(st.booleans()):
+    how = draw(st.sampled_from(["bytes", "values", "tree node"]))
+    if how == "bytes":
         return draw(mutated_bytes(base))
     doc, data = _split(base)
-    header = draw(mutated_json(doc))
+    if how == "tree node":
+        path = draw(st.sampled_from(list(_tree_nodes(doc["tree"], ("tree",)))))
+        doc = _replace(doc, path, copy.deepcopy(draw(st.sampled_from(BAD_NODES))))
+        header = _dumps(doc, draw(st.sampled_from([2, 150, 6000])))
+    else:
+        header = draw(mutated_json(doc))
     size = draw(st.sampled_from([None, None, 0, len(data) + 64, max(0, len(data) - 64)]))
     claim = draw(st.sampled_from([None, None, None, 2 ** 40, 2 ** 64 - 1, len(data) + 1]))
     return _assemble(header, data, size, claim=claim)

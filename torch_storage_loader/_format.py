@@ -233,7 +233,31 @@ def parse_header(raw, path: str, file_size: int | None) -> tuple[Header | None, 
         return _parse_doc(view[FIXED.size:end], path, data_offset, data_size), end
 
 
+# Headers parsed in this process, by their exact text and data size: consecutive samples of one
+# structure often have byte-identical headers, which then cost a lookup instead of a parse. Bounded
+# by count and by size; cleared when full.
+_parsed: dict[tuple[bytes, int], tuple[list, tuple]] = {}
+_PARSED_MAX, _PARSED_MAX_TEXT, _PARSED_MAX_BYTES = 64, 256 << 10, 4 << 20
+_parsed_bytes = 0
+
+
 def _parse_doc(text, path: str, data_offset: int, data_size: int) -> Header:
+    global _parsed_bytes
+    key = (bytes(text), data_size) if len(text) <= _PARSED_MAX_TEXT else None
+    known = _parsed.get(key) if key is not None else None
+    if known is not None:
+        return Header(known[0], known[1], data_offset, data_size)
+    header = _parse_new_doc(text, path, data_offset, data_size)
+    if key is not None:
+        if len(_parsed) >= _PARSED_MAX or _parsed_bytes + len(key[0]) > _PARSED_MAX_BYTES:
+            _parsed.clear()
+            _parsed_bytes = 0
+        _parsed[key] = (header.spec, header.arrays)
+        _parsed_bytes += len(key[0])
+    return header
+
+
+def _parse_new_doc(text, path: str, data_offset: int, data_size: int) -> Header:
     try:
         doc = _limits.loads(text, max_bytes=MAX_HEADER, max_depth=_limits.HEADER_MAX_DEPTH,
                             max_values=_limits.HEADER_MAX_VALUES, floats=False)

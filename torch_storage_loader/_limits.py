@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,24 @@ CLAIM_MAX_VALUES = 64
 MAX_NUMBER_CHARS = 32  # the longest integer or float literal accepted (int64 has 20 characters)
 
 _BACKSLASH = re.compile(rb"\\")
+
+
+_CHUNK = 256 << 10  # measure() scans this many bytes at a time: its memory stays a few MiB, whatever the text
+_SMALL = 16 << 10  # below this, regular expressions and a short loop beat numpy's fixed costs
 _STRING = re.compile(rb'"[^"]*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _measure_small(s) -> tuple[int, int]:
+    """``measure`` for short texts without escapes: strings blanked out, then brackets counted."""
+    s = _STRING.sub(b"0", s)
+    values = s.count(b",") + s.count(b":") + s.count(b"[") + s.count(b"{") + 1
+    depth = top = 0
+    for b in s.translate(None, _NOT_BRACKETS):
+        depth += 1 if b in (0x5B, 0x7B) else -1
+        if depth > top:
+            top = depth
+    return top, values
 
 
 def measure(raw, max_values: int | None = None) -> tuple[int, int]:
@@ -52,33 +69,37 @@ def measure(raw, max_values: int | None = None) -> tuple[int, int]:
 
     Exact for valid JSON. For invalid text it may overestimate, never underestimate, the part a
     parser would get through before failing: escaped backslashes and quotes are dropped first (so
-    quotes pair as a parser pairs them), then strings (brackets inside them do not count), then
-    every byte but brackets. Values: strings, containers, commas and colons (one more value each),
-    plus one. Over ``max_values``, the depth is not measured (returned as 0). Every pass runs in C
-    and allocates at most a few times the text's size, whatever the text.
+    quotes pair as a parser pairs them), then a byte counts only outside strings (the parity of the
+    quotes before it). Values: containers, commas and colons (one more value each: an element, a
+    member's key), plus one. Over ``max_values``, the depth is not measured (returned as 0).
+    Vectorized, in chunks of ``_CHUNK`` bytes.
     """
     s = raw
     if _BACKSLASH.search(s):
         s = bytes(s).replace(b"\\\\", b"").replace(b'\\"', b"")
-    if type(s) is bytes:
-        strings = s.count(b'"') // 2
-    else:
-        strings = int(np.count_nonzero(np.frombuffer(s, np.uint8) == 0x22)) // 2
-    if max_values is not None and strings > max_values:
-        return 0, strings  # too many strings to strip them one by one: refused as it is
-    s = _STRING.sub(b"0", s)  # bytes from here on, at most the size of ``raw``
-    values = s.count(b",") + s.count(b":") + s.count(b"[") + s.count(b"{") + 1
-    if max_values is not None and values > max_values:
-        return 0, values
-    brackets = s.translate(None, _NOT_BRACKETS)
-    del s
-    if not brackets:
-        return 0, values
-    if max_values is not None and len(brackets) > 2 * max_values:
-        return len(brackets), values  # more closing brackets than a document of max_values can hold
-    steps = np.frombuffer(brackets, np.uint8)
-    delta = ((steps == 0x5B) | (steps == 0x7B)).view(np.int8) * np.int8(2) - np.int8(1)
-    return int(np.cumsum(delta, dtype=np.int32).max()), values
+    if len(s) <= _SMALL:
+        return _measure_small(s)
+    data = np.frombuffer(s, np.uint8)
+    inside = False  # in a string at the start of the chunk
+    depth = top = values = 0
+    for start in range(0, len(data), _CHUNK):
+        a = data[start: start + _CHUNK]
+        quote = a == 0x22
+        parity = np.cumsum(quote, dtype=np.int32) & 1  # odd: after an opening quote of this chunk
+        outside = (parity == 1) if inside else (parity == 0)
+        outside &= ~quote
+        opening = ((a == 0x5B) | (a == 0x7B)) & outside
+        closing = ((a == 0x5D) | (a == 0x7D)) & outside
+        values += int(np.count_nonzero(((a == 0x2C) | (a == 0x3A)) & outside)) + int(np.count_nonzero(opening))
+        if max_values is not None and values >= max_values:
+            return 0, values + 1
+        steps = opening.view(np.int8) - closing.view(np.int8)
+        running = np.cumsum(steps, dtype=np.int32)
+        if len(running):
+            top = max(top, depth + int(running.max()))
+            depth += int(running[-1])
+        inside = inside != bool(np.count_nonzero(quote) & 1)
+    return top, values + 1
 
 
 def _no_constant(name: str) -> Any:
@@ -108,7 +129,10 @@ def _pairs(pairs: list) -> dict:
     return out
 
 
-_DECODERS = {floats: json.JSONDecoder(parse_int=_int, parse_float=_float if floats else _no_float,
+# Integers: Python (3.10.7 and later) refuses over 4300 digits in C, cheaply; callers check ranges.
+# Where it does not, a hook bounds them (slower: a Python call per integer).
+_INT = None if hasattr(sys, "get_int_max_str_digits") else _int
+_DECODERS = {floats: json.JSONDecoder(parse_int=_INT, parse_float=_float if floats else _no_float,
                                       parse_constant=_no_constant, object_pairs_hook=_pairs)
              for floats in (False, True)}
 

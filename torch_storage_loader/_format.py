@@ -356,7 +356,7 @@ def check_tree(spec, n_arrays: int, path: str) -> None:
                 keyed_by_int = tag == "d" or tag == "od"
                 for k in node[1]:
                     if type(k) is not str and not (keyed_by_int and type(k) is list and len(k) == 2
-                                                   and k[0] == "int" and type(k[1]) is int):
+                                                   and k[0] == "int" and _is_inline_int(k[1])):
                         raise _bad_node(path, depth, "has a key that is neither a string nor an int")
                 children = node[2]
             for child in reversed(children):
@@ -371,11 +371,15 @@ def check_tree(spec, n_arrays: int, path: str) -> None:
             for v in node[1:]:
                 if not _is_hex_float(v):
                     raise _bad_node(path, depth, "holds a float that is not a finite or infinite double in hex")
-        elif (tag == "b" and type(value) is not bool) or (tag == "i" and type(value) is not int) \
+        elif (tag == "b" and type(value) is not bool) or (tag == "i" and not _is_inline_int(value)) \
                 or (tag == "s" and type(value) is not str):
             raise _bad_node(path, depth, "holds a value of the wrong type for its tag")
     if leaves != n_arrays:
         raise _corrupt(path, f"its tree uses {leaves} arrays but its header lists {n_arrays}")
+
+
+def _is_inline_int(v) -> bool:
+    return type(v) is int and -_limits.INLINE_INT_BOUND < v < _limits.INLINE_INT_BOUND
 
 
 def _is_hex_float(v) -> bool:

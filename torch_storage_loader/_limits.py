@@ -42,6 +42,7 @@ CLAIM_MAX_DEPTH = 2
 CLAIM_MAX_VALUES = 64
 
 MAX_NUMBER_CHARS = 32  # the longest integer or float literal accepted (int64 has 20 characters)
+INLINE_INT_BOUND = 10 ** 30  # a sample's inline ints and int dict keys are smaller than this in magnitude
 
 _BACKSLASH = re.compile(rb"\\")
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ._format import TORCH_ITEMSIZE, Header, ReadOptions
-from ._limits import MAX_NUMBER_CHARS, MAX_TREE_DEPTH
+from ._limits import INLINE_INT_BOUND, MAX_TREE_DEPTH
 from .errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
 
 _LITTLE = np.little_endian
@@ -103,7 +103,7 @@ def _keys(mapping, path: tuple) -> list:
     for k in mapping:
         if type(k) is str:
             keys.append(k)
-        elif type(k) is int and len(str(k)) <= MAX_NUMBER_CHARS:
+        elif type(k) is int and -INLINE_INT_BOUND < k < INLINE_INT_BOUND:
             keys.append(["int", k])
         else:
             raise UnsupportedLeafError(
@@ -152,10 +152,10 @@ class _Encoder:
         if tx is bool:
             return ["b", x]
         if tx is int:
-            if len(str(x)) > MAX_NUMBER_CHARS:
+            if not -INLINE_INT_BOUND < x < INLINE_INT_BOUND:
                 raise UnsupportedLeafError(
-                    f"int at {format_path(path)} has over {MAX_NUMBER_CHARS} digits, more than readers accept "
-                    "inline; store it as a str (or pass allow_pickle=True)", key_path=format_path(path))
+                    f"int at {format_path(path)} is over 10**30 in magnitude, more than readers accept inline; "
+                    "store it as a str (or pass allow_pickle=True)", key_path=format_path(path))
             return ["i", x]
         if tx is float:
             return ["f", x.hex()]

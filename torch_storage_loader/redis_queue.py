@@ -471,8 +471,9 @@ class RedisStorageQueue:
 
         Raises ``queue.Empty`` after ``timeout`` seconds, ``ProducerDiedError`` when the stream is
         empty and a registered producer died, and ``HandleRecordError`` /
-        ``UnregisteredStorageTypeError`` for an entry that is not a handle record (acknowledged, and
-        counted as ``refused``: it is never delivered again).
+        ``UnregisteredStorageTypeError`` / ``UntrustedStorageError`` for an entry that is not a handle
+        record, or names a path or bucket outside ``trusted_roots`` (acknowledged, and counted as
+        ``refused``: it is never delivered again; a ``StorageDataset`` skips such entries).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

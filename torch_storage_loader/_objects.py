@@ -356,7 +356,7 @@ def read_header(url: str, size: int | None, version: str | None) -> tuple[_forma
         rest = retrying(url, "reading the header", _get, url, len(raw), need, version)
         if len(rest) != need - len(raw):
             raise _format._corrupt(url, f"object is truncated ({len(raw) + len(rest)} bytes, its header needs {need})")
-        raw = memoryview(bytes(raw) + rest)
+        raw = memoryview(bytes(raw) + bytes(rest))  # (obstore gives a buffer of its own, not bytes)
         del rest
         header, _ = _format.parse_header(raw, url, size)
         if header is None:

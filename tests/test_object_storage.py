@@ -37,6 +37,7 @@ def test_roundtrip_through_loader_workers_small_and_chunked(s3_server, s3_bucket
     sizes = [1, 100, 5_000, 2 * _objects.CHUNK // 256 + 7]  # the last spans three ranged reads
     with FileStorageLoader(f"s3://{s3_bucket}/run", worker_num=2, storage_options=s3_server.storage_options) as loader:
         samples = [_tree(i, n) for i, n in enumerate(sizes)]
+        samples[1]["name"] = "x" * (100 << 10)  # a header over the first ranged read: a second one follows
         handles = [loader.save(x) for x in samples]
         assert all(type(h) is ObjectStorage and h.size > 0 and h.version for h in handles)
         got = [f.result(timeout=60) for f in [loader.load_async(h) for h in handles]]

@@ -228,23 +228,28 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _load_bytes(raw: bytes, name: str = "fuzz.tsl"):
-    """The in-process parser on ``raw`` as a whole file: a sample, or one of our errors."""
+def _checked(raw: bytes, name: str = "fuzz.tsl"):
+    """What a worker checks before it takes a slot: the header of ``raw`` as a whole file, or our error."""
     header, _ = _format.parse_header(raw, name, len(raw))
     assert header is not None, "a whole file always parses to a header or an error"
     assert len(raw) == header.data_offset + header.data_size
-    return header, _tree.build(header, bytearray(raw[header.data_offset:]), path=name)
+    _format.check_readable(header, _format.ReadOptions(), name)
+    return header
 
 
 @fuzz_settings()
-@given(raw=hostile_files())
-def test_any_bytes_give_a_sample_or_a_corrupt_error(raw):
+@given(raw=hostile_files(), as_tensors=st.booleans())
+def test_any_bytes_give_a_sample_or_a_corrupt_error(raw, as_tensors):
+    """Refused where the worker reads (before any slot), or built where the sample arrives: never
+    refused there (past a DataLoader worker's on_error)."""
     _ran["file bytes, in process"] += 1
     start = time.monotonic()
     try:
-        _load_bytes(raw)
+        header = _checked(raw)
     except StorageError as exc:
         assert "fuzz.tsl" in str(exc)
+    else:
+        _tree.build(header, bytearray(raw[header.data_offset:]), _format.ReadOptions(as_tensors=as_tensors))
     assert time.monotonic() - start < BOUND_S
 
 
@@ -257,7 +262,7 @@ def test_batch_headers_plan_or_refuse(a, b, valid_b):
     headers = []
     for raw in (a, b):
         try:
-            headers.append(_format.parse_header(raw, "x.tsl", len(raw))[0])
+            headers.append(_checked(raw, "x.tsl"))
         except StorageError:
             return
     try:
@@ -270,7 +275,7 @@ def test_batch_headers_plan_or_refuse(a, b, valid_b):
         for v in _batch.file_iovecs(h, batch, j, target, memoryview(bytearray(64))):
             v.release()
     target.release()
-    _tree.build(batch, bytearray(batch.data_size))
+    _tree.build(batch, bytearray(batch.data_size), _format.ReadOptions(as_tensors=True))
 
 
 def test_files_of_any_content_and_kind_on_disk(tmp_path):

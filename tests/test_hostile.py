@@ -76,6 +76,10 @@ CRAFTED = {
     "bool in shape": _one_array(["a", 0], shape=(True, 16), nbytes=64),
     "huge complex": _one_array(["l", [["a", 0], ["c", "0x1p99999", "0x0p+0"]]]),
     "unknown tag": _one_array(["l", [["a", 0], ["SECRETTAG", 1]]]),
+    "list in a treetensor tree": {"arrays": [["torch", "float32", [4], 0, 16]],
+                                  "tree": ["tt", ["a", "b"], [["a", 0], ["l", []]]]},
+    "empty but too large to make": {"arrays": [["numpy", "<f4", [0, 2 ** 62], 0, 0], ["numpy", "<f4", [4], 0, 16]],
+                                    "tree": ["l", [["a", 0], ["a", 1]]]},
 }
 
 
@@ -281,6 +285,16 @@ def test_a_crafted_file_is_skipped_under_a_dataloader(tmp_path, batch_size):
     assert ids and all(0 <= i < 2 * len(CRAFTED) for i in ids)
     if batch_size is None:
         assert sorted(ids) == list(range(2 * len(CRAFTED))) and ds.stats()["skipped"] == len(CRAFTED)
+
+
+def test_a_pickled_leaf_is_refused_where_it_is_read_and_skipped(tmp_path):
+    marker = tmp_path / "unpickled"
+    pickled = FileStorage(tmp_path / "p.tsl", allow_pickle=True)
+    pickled.save({"x": Evil(str(marker))})
+    handles = [_good(tmp_path, 0), FileStorage(pickled.path), _good(tmp_path, 1)]
+    ds = StorageDataset(handles, on_error="skip")
+    ids = [int(s["info"]["id"]) for s in DataLoader(ds, batch_size=None, num_workers=1, timeout=TIMEOUT)]
+    assert ids == [0, 1] and ds.stats()["skipped"] == 1 and not marker.exists()
 
 
 def test_a_refused_batch_never_leaks_a_slot(tmp_path):

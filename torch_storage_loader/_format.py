@@ -39,7 +39,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from . import _limits
-from .errors import StorageCorruptError, StorageNotFoundError, UnsupportedLeafError, UntrustedStorageError
+from .errors import (PickleNotAllowedError, StorageCorruptError, StorageNotFoundError, UnsupportedLeafError,
+                     UntrustedStorageError)
 
 __all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "ReadOptions", "VERSION", "read_header", "read_into", "serialize", "write"]
 
@@ -266,7 +267,7 @@ def _parse_new_doc(text, path: str, data_offset: int, data_size: int) -> Header:
     if type(doc) is not dict or len(doc) != 2 or "arrays" not in doc or "tree" not in doc:
         raise _corrupt(path, 'its header is not {"arrays": [...], "tree": ...}')
     arrays = _arrays(doc["arrays"], path, data_size)
-    check_tree(doc["tree"], len(arrays), path)
+    check_tree(doc["tree"], arrays, path)
     return Header(doc["tree"], arrays, data_offset, data_size)
 
 
@@ -290,11 +291,14 @@ def _arrays(entries, path: str, data_size: int) -> tuple[ArrayEntry, ...]:
             raise _bad_array(path, i, f"has a dtype this reader does not store as {kind}") from None
         if type(shape) is not list or len(shape) > MAX_DIMS:
             raise _bad_array(path, i, f"has a shape that is not a list of at most {MAX_DIMS} sizes")
-        count = 1
+        count = span = 1
         for n in shape:
             if type(n) is not int or not 0 <= n < 1 << 63:
                 raise _bad_array(path, i, "has a size that is not an integer in [0, 2**63)")
             count *= n
+            span *= n or 1
+        if span * itemsize >= 1 << 63:  # numpy refuses such a shape even with a zero in it
+            raise _bad_array(path, i, "has a shape too large to make, even empty")
         if (kind == "numpy_scalar" and shape) or (kind in BYTE_KINDS and len(shape) != 1):
             raise _bad_array(path, i, f"has a shape a {kind} leaf never has")
         if type(offset) is not int or type(nbytes) is not int:
@@ -321,27 +325,35 @@ _CONTAINERS = ("d", "od", "tt", "tn")
 _NODE_LEN = {"n": 1, "b": 2, "i": 2, "s": 2, "f": 2, "c": 3, "a": 2, "l": 2, "t": 2}
 
 
-def check_tree(spec, n_arrays: int, path: str) -> None:
+_TREE_LEAF_KIND = {"tt": "torch", "tn": "numpy"}  # what a treetensor tree holds: arrays of its kind, subtrees
+
+
+def check_tree(spec, arrays: tuple[ArrayEntry, ...], path: str) -> None:
     """Check a file's tree spec node by node, exactly as ``_tree.encode`` writes it, or raise
     ``StorageCorruptError``: known tags with their arity and value types (``bool`` is not an
-    ``int``), finite hexadecimal floats, dict keys of one length with their children, at most
-    ``MAX_TREE_DEPTH`` containers deep, and array leaves numbered 0, 1, 2... in depth-first order,
-    each array used exactly once."""
+    ``int``; inline ints below ``_limits.INLINE_INT_BOUND``), finite or infinite hexadecimal floats,
+    dict keys of one length with their children, treetensor trees holding only arrays of their kind
+    and subtrees of their own, at most ``MAX_TREE_DEPTH`` containers deep, and array leaves numbered
+    0, 1, 2... in depth-first order, each array used exactly once. What passes builds."""
     leaves = 0
-    stack: list = [(spec, 0)]
+    stack: list = [(spec, 0, None)]
     pop, push = stack.pop, stack.append
     while stack:
-        node, depth = pop()
+        node, depth, tree = pop()  # tree: the tag of the treetensor tree holding this node, if any
         if type(node) is not list or not node:
             raise _bad_node(path, depth, "is not a non-empty list")
         tag = node[0]
         if tag == "a":
             if len(node) != 2 or type(node[1]) is not int or node[1] != leaves:
                 raise _bad_node(path, depth, f"is not array leaf {leaves} (leaves are numbered in depth-first order)")
+            if tree is not None and arrays[leaves].kind != _TREE_LEAF_KIND[tree]:
+                raise _bad_node(path, depth, "is an array of another kind than its treetensor tree holds")
             leaves += 1
             continue
         if type(tag) is not str:
             raise _bad_node(path, depth, "has no tag")
+        if tree is not None and tag != tree:
+            raise _bad_node(path, depth, "is neither an array nor a subtree, inside a treetensor tree")
         if tag in _CONTAINERS or tag == "l" or tag == "t":
             if depth >= _limits.MAX_TREE_DEPTH:
                 raise _bad_node(path, depth, f"is nested over {_limits.MAX_TREE_DEPTH} levels deep")
@@ -359,8 +371,9 @@ def check_tree(spec, n_arrays: int, path: str) -> None:
                                                    and k[0] == "int" and _is_inline_int(k[1])):
                         raise _bad_node(path, depth, "has a key that is neither a string nor an int")
                 children = node[2]
+            inner = tag if tag in _TREE_LEAF_KIND else None
             for child in reversed(children):
-                push((child, depth + 1))
+                push((child, depth + 1, inner))
             continue
         if _NODE_LEN.get(tag) != len(node):
             raise _bad_node(path, depth, "has an unknown tag, or the wrong number of fields for its tag")
@@ -374,8 +387,16 @@ def check_tree(spec, n_arrays: int, path: str) -> None:
         elif (tag == "b" and type(value) is not bool) or (tag == "i" and not _is_inline_int(value)) \
                 or (tag == "s" and type(value) is not str):
             raise _bad_node(path, depth, "holds a value of the wrong type for its tag")
-    if leaves != n_arrays:
-        raise _corrupt(path, f"its tree uses {leaves} arrays but its header lists {n_arrays}")
+    if leaves != len(arrays):
+        raise _corrupt(path, f"its tree uses {leaves} arrays but its header lists {len(arrays)}")
+
+
+def check_readable(header: Header, opts: ReadOptions, path: str) -> None:
+    """Refuse, where the file is read (before a slot is taken), what the receiver would refuse to build."""
+    if not opts.allow_pickle and any(e.kind == "pickle" for e in header.arrays):
+        raise PickleNotAllowedError(
+            f"{path}: holds a pickled value; loading it would run code from the file. Pass allow_pickle=True "
+            "only if you trust whoever wrote it", path=path)
 
 
 def _is_inline_int(v) -> bool:

@@ -278,10 +278,21 @@ class Plan:
         if tag == "v":  # one inline scalar per sample of a stacked batch
             return _N_VALUES, tuple(self._node(v) for v in node[1])
         if tag in ("tt", "tn"):
-            want = "tt" if self.opts.as_tensors else tag
+            children = tuple(self._node(v) for v in node[2])
+            want = "tt" if self.opts.as_tensors and self._all_tensors(children) else tag
             tree_type = next(t for t, name in _treetensor_types().items() if name == want)
-            return _N_TREE, tree_type, tuple(node[1]), tuple(self._node(v) for v in node[2])
+            return _N_TREE, tree_type, tuple(node[1]), children
         raise ValueError("unknown tree node tag")
+
+    def _all_tensors(self, children: tuple) -> bool:
+        """Whether a tree's leaves all become tensors (a numpy tree of strings stays a numpy tree)."""
+        for c in children:
+            if type(c) is int:
+                if self.leaves[c][0] not in (_L_TENSOR, _L_TORCH, _L_TORCH_EMPTY):
+                    return False
+            elif not self._all_tensors(c[3]):
+                return False
+        return True
 
     def build(self, u8: np.ndarray, path: str = "") -> Any:
         """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it)."""

@@ -49,6 +49,7 @@ class SlotFiller:
     def _fill_remote(self, storage: ObjectStorage, opts: ReadOptions) -> tuple[FillInfo, Any]:
         # Ranged reads land in the slot: the client's buffers are the only copy on the way.
         header, head = _objects.read_header(storage.path, storage.size, storage.version)
+        _format.check_readable(header, opts, storage.path)
         lease = self.alloc.lease(header.data_size, storage.path, opts)
         try:
             _objects.read_into(storage.path, lease.view, header.data_offset, storage.version, head)
@@ -61,6 +62,7 @@ class SlotFiller:
         fd = _format.open_storage(path)
         try:
             header = _format.read_header(fd, path)
+            _format.check_readable(header, opts, path)
             lease = self.alloc.lease(header.data_size, path, opts)
             _read(fd, [lease.view], header.data_offset, path, lease)
         finally:
@@ -95,6 +97,7 @@ class SlotFiller:
                 for s in storages:
                     fds.append(_format.open_storage(s.path))
                     headers.append(_format.read_header(fds[-1], s.path))
+                    _format.check_readable(headers[-1], opts, s.path)
                 batch = plan(headers, names)
                 lease = self.alloc.lease(batch.data_size, names[0], opts)
                 for j, (fd, h, s) in enumerate(zip(fds, headers, storages)):

@@ -62,7 +62,7 @@ def bench_local(handles) -> tuple[float, float]:
 
 
 def bench_redis(url: str, handles, prefetch: int) -> tuple[float, float]:
-    q = RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}", prefetch=prefetch)
+    q = RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}", prefetch=prefetch, trusted_roots=["/data"])
     try:
         put = _time(lambda: [q.put(h) for h in handles])
 
@@ -106,7 +106,7 @@ def bench_end_to_end(url: str, root: str, n: int, steps: int, size: int) -> list
         q.put(FileStorage(p))
     q.close()
     rows.append(("StorageQueue", *_drain(q, n, nbytes)))
-    with RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}") as r:
+    with RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}", trusted_roots=[root]) as r:
         try:
             for p in paths:
                 r.put(FileStorage(p))

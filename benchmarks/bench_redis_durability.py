@@ -35,7 +35,7 @@ SETTINGS = {
 
 
 def once(url: str, n: int, replicas: int) -> tuple[float, float]:
-    q = RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}", replicas=replicas)
+    q = RedisStorageQueue(url, f"bench-{uuid.uuid4().hex[:8]}", replicas=replicas, trusted_roots=["/data"])
     handles = [FileStorage(f"/data/{i:06d}.tsl") for i in range(n)]
     t0 = time.perf_counter()
     for h in handles:

@@ -142,7 +142,8 @@ def trainer(j: int, incarnation: int, cfg: dict) -> None:
     if cfg["store"] == "s3":
         configure_object_store(cfg["root"], cfg["s3"], retry_timeout=cfg["retry_s"])
     queue = RedisStorageQueue(cfg["url"], STREAM, cluster=cfg["cluster"], retry_for=cfg["retry_s"],
-                              claim_after=cfg["claim_after"], producer_timeout=cfg["producer_timeout"])
+                              claim_after=cfg["claim_after"], producer_timeout=cfg["producer_timeout"],
+                              trusted_roots=[cfg["root"]])  # the collectors write under it
     fd = _log(os.path.join(cfg["work"], f"got-{j}-{incarnation}.log"))
     dataset = StorageDataset(queue, on_error="skip")
     # A trainer killed takes its DataLoader workers along (as a crashed node would).

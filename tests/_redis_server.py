@@ -20,6 +20,8 @@ import time
 import pytest
 
 REDIS_SERVER = shutil.which("redis-server")
+# trusted_roots for tests of delivery (every directory): confinement itself is test_hostile.py's.
+EVERYWHERE = ["/"]
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import _helpers
-from _redis_server import redis_server  # noqa: F401  (fixture)
+from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from conftest import traj
 from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
 
@@ -116,7 +116,7 @@ def test_directory_stopped_early_ten_times_loses_nothing(tmp_path):
 def test_redis_stopped_early_ten_times_loses_nothing(tmp_path, redis_server):  # noqa: F811
     from torch_storage_loader import RedisStorageQueue
 
-    with RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}") as q:
+    with RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", trusted_roots=EVERYWHERE) as q:
         try:
             for s in _save_all(tmp_path / "files"):
                 q.put(s)
@@ -178,7 +178,7 @@ def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_se
     from torch_storage_loader import RedisStorageQueue
 
     claim_after = 3.0
-    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", claim_after=claim_after)
+    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", claim_after=claim_after, trusted_roots=EVERYWHERE)
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
     other = ctx.Process(target=_helpers.consume_redis_and_block, args=(q, 10, out, ready))
@@ -242,8 +242,8 @@ def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_serv
     from torch_storage_loader import RedisStorageQueue
 
     stream = f"s-{uuid.uuid4().hex[:8]}"
-    q = RedisStorageQueue(redis_server.url, stream, claim_after=2.0)
-    other = RedisStorageQueue(redis_server.url, stream, claim_after=2.0)
+    q = RedisStorageQueue(redis_server.url, stream, claim_after=2.0, trusted_roots=EVERYWHERE)
+    other = RedisStorageQueue(redis_server.url, stream, claim_after=2.0, trusted_roots=EVERYWHERE)
     theirs: list[int] = []
     try:
         for s in _save_all(tmp_path / "files", n=16):

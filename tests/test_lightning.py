@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 
 import _helpers
-from _redis_server import redis_server  # noqa: F401  (fixture)
+from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import traj
 from torch_storage_loader import StorageQueue
@@ -182,7 +182,7 @@ def test_ddp_spawn_over_redis_trains_on_each_sample_once(tmp_path, redis_server)
     from conftest import traj
     from torch_storage_loader import FileStorage, RedisStorageQueue, StorageDataset
 
-    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}")
+    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", trusted_roots=EVERYWHERE)
     try:
         for i in range(60):
             s = FileStorage(tmp_path / f"{i:03d}.tsl")

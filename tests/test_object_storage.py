@@ -37,6 +37,7 @@ def test_roundtrip_through_loader_workers_small_and_chunked(s3_server, s3_bucket
     sizes = [1, 100, 5_000, 2 * _objects.CHUNK // 256 + 7]  # the last spans three ranged reads
     with FileStorageLoader(f"s3://{s3_bucket}/run", worker_num=2, storage_options=s3_server.storage_options) as loader:
         samples = [_tree(i, n) for i, n in enumerate(sizes)]
+        samples[1]["name"] = "x" * (100 << 10)  # a header over the first ranged read: a second one follows
         handles = [loader.save(x) for x in samples]
         assert all(type(h) is ObjectStorage and h.size > 0 and h.version for h in handles)
         got = [f.result(timeout=60) for f in [loader.load_async(h) for h in handles]]
@@ -152,7 +153,8 @@ def test_prefix_stream_stops_early_then_drains_exactly_once(s3_server, s3_bucket
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     orphan = handles[-1].url + ".claim"
-    _objects.put(orphan, [f'{{"host": "{os.uname().nodename}", "family": "{dead.pid}", "pid": {dead.pid}}}'.encode()])
+    _objects.put(orphan, [json.dumps({"host": os.uname().nodename, "family": str(dead.pid), "pid": dead.pid,
+                                      "nonce": "0123456789abcdef"}).encode()])  # as a trainer writes it
     end_directory_stream(prefix)
     seen = []
     for round_ in range(3):
@@ -291,7 +293,7 @@ def test_chunked_reads_of_a_missing_object_name_it(tmp_path):
 
 
 def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server, s3_bucket):
-    from torch_storage_loader import HandleRecordError, _codec
+    from torch_storage_loader import UntrustedStorageError, _codec, _trust
 
     configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
     with FileStorageLoader(f"s3://{s3_bucket}/m", worker_num=1, retry_timeout=60) as loader:
@@ -299,9 +301,11 @@ def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server,
         assert loader.load_async(h).result(timeout=60)["info"]["id"] == 4
     assert _objects._config_for(h.url) == _objects.Config(s3_server.storage_options, 60)
     assert s3_server.SECRET not in repr(_objects.snapshot())
-    assert _codec.decode(_codec.encode(h)) == h
-    with pytest.raises(HandleRecordError, match="not on an object store"):
-        _codec.decode(_codec.encode(ObjectStorage("http://127.0.0.1:1/x.tsl")))
+    roots = _trust.roots([f"s3://{s3_bucket}"])
+    assert _codec.decode(_codec.encode(h), trusted_roots=roots) == h
+    for url in ("http://127.0.0.1:1/x.tsl", f"s3://other-{s3_bucket}/m/x.tsl"):  # network handles stay in their roots
+        with pytest.raises(UntrustedStorageError, match="trusted_roots"):
+            _codec.decode(_codec.encode(ObjectStorage(url)), trusted_roots=roots)
     with pytest.raises(StorageNotFoundError, match="does not exist"):
         missing = f"s3://nobucket-{uuid.uuid4().hex[:8]}/p"
         next(iter(DataLoader(StorageDataset(missing, storage_options=s3_server.storage_options), batch_size=None)))

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from _redis_cluster import redis_cluster, redis_sentinel  # noqa: F401  (fixtures)
+from _redis_server import EVERYWHERE
 from torch_storage_loader import FileStorage, RedisStorageQueue
 from torch_storage_loader.redis_queue import stream_keys
 
@@ -59,7 +60,7 @@ def test_cluster_keys_share_a_slot_and_streams_spread_over_masters(redis_cluster
     names = [_stream() for _ in range(12)]
     try:
         for name in names:
-            q = RedisStorageQueue(redis_cluster.url, name, cluster=True)
+            q = RedisStorageQueue(redis_cluster.url, name, cluster=True, trusted_roots=EVERYWHERE)
             with q.producer("p"):
                 q.put(FileStorage("/x/0.tsl"))
                 token, storage = q.get(timeout=5)
@@ -86,7 +87,8 @@ def test_cluster_keys_share_a_slot_and_streams_spread_over_masters(redis_cluster
 @pytest.mark.slow
 def test_cluster_master_killed_replica_promoted_nothing_lost(redis_cluster):
     stream = _stream()
-    q = RedisStorageQueue(redis_cluster.url, stream, cluster=True, replicas=1, claim_after=2.0, retry_for=30.0)
+    q = RedisStorageQueue(redis_cluster.url, stream, cluster=True, replicas=1, claim_after=2.0, retry_for=30.0,
+                          trusted_roots=EVERYWHERE)
     killed, failover = [], []
 
     def kill_master() -> None:
@@ -118,7 +120,7 @@ def test_cluster_master_killed_replica_promoted_nothing_lost(redis_cluster):
 def test_sentinel_url_follows_a_failover_nothing_lost(redis_sentinel):
     stream = _stream()
     url = redis_sentinel.url
-    q = RedisStorageQueue(url, stream, replicas=1, claim_after=2.0, retry_for=30.0)
+    q = RedisStorageQueue(url, stream, replicas=1, claim_after=2.0, retry_for=30.0, trusted_roots=EVERYWHERE)
     old = redis_sentinel.master_port()
     assert q.url == url and "sentinel" in repr(q)
     back = []
@@ -155,4 +157,4 @@ def test_sentinel_url_validation():
     with pytest.raises(ValueError, match="cluster=True needs"):
         RedisStorageQueue("redis+sentinel://h/svc", "s", cluster=True)
     q = RedisStorageQueue("redis+sentinel://user:pw-secret@h1:1,[::1]:2/svc/3", "s")
-    assert q.url == "redis+sentinel://user:***@h1:1,[::1]:2/svc/3" and q.url in repr(q)
+    assert q.url == "redis+sentinel://***@h1:1,[::1]:2/svc/3" and q.url in repr(q)

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
+from _redis_server import EVERYWHERE, fresh_redis_server, redis_server  # noqa: F401  (fixtures)
 from torch_storage_loader import (FileStorage, HandleRecordError, ProducerDiedError, RedisStorageQueue,
                                   RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError,
                                   UnregisteredStorageTypeError)
@@ -82,7 +82,7 @@ def produce_then_die(q: RedisStorageQueue, name: str | None = None) -> None:
 # -- tests --------------------------------------------------------------------------------------------
 
 def test_put_get_ack_roundtrip(redis_server, handles):
-    q = RedisStorageQueue(redis_server.url, _stream())
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     try:
         ids = [q.put(h) for h in handles[:5]]
         got = [q.get(timeout=5) for _ in range(5)]
@@ -121,7 +121,7 @@ def _sockets_to(port: int) -> int:
 
 def test_disconnect_closes_sockets_and_the_queue_reconnects(redis_server):
     port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
-    with RedisStorageQueue(redis_server.url, _stream()) as q:
+    with RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE) as q:
         q.put(FileStorage("/d/1.tsl"))
         assert _sockets_to(port) == 1
         q.disconnect()
@@ -130,7 +130,7 @@ def test_disconnect_closes_sockets_and_the_queue_reconnects(redis_server):
         assert storage.path == "/d/1.tsl" and q.ack(token) == 1 and _sockets_to(port) == 1
         q.delete()
     assert _sockets_to(port) == 0, "leaving the with block closes the connection"
-    q = RedisStorageQueue(redis_server.url, _stream())
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     q.stats()
     del q
     assert _sockets_to(port) == 0, "a dropped queue closes its connection"
@@ -143,7 +143,7 @@ def test_validation_and_pickle(redis_server):
         RedisStorageQueue(redis_server.url, "s", prefetch=0)
     with pytest.raises(ValueError, match="redis://"):
         RedisStorageQueue("http://example.com", "s")
-    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=3)
+    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=3, trusted_roots=EVERYWHERE)
     try:
         q.put(FileStorage("/a.tsl"))  # connected
         copy = pickle.loads(pickle.dumps(q))
@@ -157,12 +157,12 @@ def test_validation_and_pickle(redis_server):
 
 def test_close_ends_iteration_for_every_consumer(redis_server):
     stream = _stream()
-    q = RedisStorageQueue(redis_server.url, stream)
+    q = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
     try:
         for i in range(30):
             q.put(FileStorage(f"/c/{i}.tsl"))
         outs = [[] for _ in range(3)]
-        threads = [threading.Thread(target=_drain, args=(RedisStorageQueue(redis_server.url, stream), out))
+        threads = [threading.Thread(target=_drain, args=(RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE), out))
                    for out in outs]
         for t in threads:
             t.start()
@@ -180,7 +180,7 @@ def test_close_ends_iteration_for_every_consumer(redis_server):
 
 def test_producers_and_consumers_in_processes(redis_server):
     ctx = mp.get_context("spawn")
-    q = RedisStorageQueue(redis_server.url, _stream())
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     out = ctx.Queue()
     try:
         consumers = [ctx.Process(target=consume, args=(q, out)) for _ in range(2)]
@@ -205,7 +205,7 @@ def test_producers_and_consumers_in_processes(redis_server):
 def test_killed_consumer_entries_are_claimed(redis_server):
     ctx = mp.get_context("spawn")
     claim_after = 2.0
-    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=claim_after)
+    q = RedisStorageQueue(redis_server.url, _stream(), claim_after=claim_after, trusted_roots=EVERYWHERE)
     out = ctx.Queue()
     try:
         for i in range(10):
@@ -236,7 +236,7 @@ def test_killed_consumer_entries_are_claimed(redis_server):
 
 def test_dead_producer_raises(redis_server):
     ctx = mp.get_context("spawn")
-    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=1.0)
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=1.0, trusted_roots=EVERYWHERE)
     try:
         p = ctx.Process(target=produce_then_die, args=(q,))
         p.start()
@@ -258,7 +258,7 @@ def test_dead_producer_raises(redis_server):
 
 
 def test_producer_heartbeat_thread(redis_server):
-    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.4)
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.4, trusted_roots=EVERYWHERE)
     try:
         with q.producer():
             assert [t.name for t in threading.enumerate()].count("tsl-redis-heartbeat") == 1
@@ -277,14 +277,14 @@ def test_redis_restart_loses_nothing(fresh_redis_server, caplog):
     caplog.set_level(logging.WARNING, "torch_storage_loader")
     server = fresh_redis_server(appendonly=True)
     stream = _stream()
-    q = RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0)
+    q = RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0, trusted_roots=EVERYWHERE)
     n = 300
     outs = [[] for _ in range(2)]
     errors = []
 
     def run(out):
         try:
-            _drain(RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0), out)
+            _drain(RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0, trusted_roots=EVERYWHERE), out)
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -328,7 +328,7 @@ def test_forged_records_are_refused(redis_server, tmp_path):
     from _helpers import MemoryStorage
     from torch_storage_loader import _codec, register_storage_type
 
-    q = RedisStorageQueue(redis_server.url, _stream())
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     raw = _raw(redis_server.url)
     marker = tmp_path / "unpickled"
     try:
@@ -352,7 +352,7 @@ def test_forged_records_are_refused(redis_server, tmp_path):
             q.get(timeout=5)
         with pytest.raises(HandleRecordError, match="'load'"):
             q.get(timeout=5)
-        with pytest.raises(HandleRecordError, match="not one 'h' field"):
+        with pytest.raises(HandleRecordError, match="not one h field"):
             q.get(timeout=5)
         assert q.get(timeout=5)[1] == FileStorage("/ok/1.tsl")
         assert not marker.exists(), "a payload was unpickled"
@@ -378,7 +378,7 @@ def test_password_never_shows(fresh_redis_server, caplog):
     password = "pw-9f8e7d6c5b4a"
     server = fresh_redis_server(password=password)
     caplog.set_level(logging.DEBUG)
-    q = RedisStorageQueue(server.url, _stream())
+    q = RedisStorageQueue(server.url, _stream(), trusted_roots=EVERYWHERE)
     try:
         assert password in server.url
         q.put(FileStorage("/p/0.tsl"))
@@ -388,10 +388,10 @@ def test_password_never_shows(fresh_redis_server, caplog):
         shown += [repr(e) for e in _raw(server.url).xrange(q.stream)]
         wrong = server.url.replace(password, "wrong-" + password)
         with pytest.raises(RedisUnavailableError, match="refused the credentials") as bad:
-            RedisStorageQueue(wrong, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+            RedisStorageQueue(wrong, _stream(), retry_for=0.5, trusted_roots=EVERYWHERE).put(FileStorage("/p/1.tsl"))
         closed_port = server.url.replace(str(server.port), "1")
         with pytest.raises(RedisUnavailableError, match="unreachable") as down:
-            RedisStorageQueue(closed_port, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+            RedisStorageQueue(closed_port, _stream(), retry_for=0.5, trusted_roots=EVERYWHERE).put(FileStorage("/p/1.tsl"))
         shown += [str(bad.value), str(down.value), bad.value.url, down.value.url, repr(pickle.loads(pickle.dumps(down.value)))]
         shown += [r.getMessage() for r in caplog.records]
         assert any("retrying" in r.getMessage() for r in caplog.records)
@@ -403,8 +403,8 @@ def test_password_never_shows(fresh_redis_server, caplog):
 
 def test_trimming_keeps_undelivered_and_pending(redis_server):
     stream = _stream()
-    q = RedisStorageQueue(redis_server.url, stream)
-    other = RedisStorageQueue(redis_server.url, stream, group="evaluators")
+    q = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
+    other = RedisStorageQueue(redis_server.url, stream, group="evaluators", trusted_roots=EVERYWHERE)
     raw = _raw(redis_server.url)
     try:
         other.stats()  # joins the stream first: its group is created from the start
@@ -434,7 +434,7 @@ def test_dataloader_delivers_every_handle_once(redis_server, handles, method):
     from torch.utils.data import DataLoader
     from torch_storage_loader import StorageDataset
 
-    q = RedisStorageQueue(redis_server.url, _stream())
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     try:
         for h in handles:
             q.put(h)
@@ -451,7 +451,7 @@ def test_dataloader_delivers_every_handle_once(redis_server, handles, method):
 
 def test_produced_under_a_name_a_restarted_producer_takes_over(redis_server):
     ctx = mp.get_context("spawn")
-    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.5)
+    q = RedisStorageQueue(redis_server.url, _stream(), producer_timeout=0.5, trusted_roots=EVERYWHERE)
     try:
         p = ctx.Process(target=produce_then_die, args=(q, "collector-7"))
         p.start()
@@ -485,7 +485,8 @@ def _keys_of(raw, *streams: str) -> set:
 def test_delete_touches_exactly_its_keys(redis_server):
     """Regression: delete() of stream ``NAME*`` deleted ``NAME-42``'s keys too (a SCAN pattern made of the name)."""
     base = _stream()
-    star, neighbour = RedisStorageQueue(redis_server.url, base + "*"), RedisStorageQueue(redis_server.url, base + "-42")
+    star, neighbour = (RedisStorageQueue(redis_server.url, base + "*", trusted_roots=EVERYWHERE),
+                         RedisStorageQueue(redis_server.url, base + "-42", trusted_roots=EVERYWHERE))
     raw = _raw(redis_server.url)
     producers = contextlib.ExitStack()
     try:
@@ -541,7 +542,7 @@ def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
         raw.set(f"tsl:{stream}:hb:host-1-abc", b"1")
         raw.hset(f"tsl:{stream}:trainers:stats", "delivered", 1)
         raw.set(f"tsl:{stream}-other:closed", b"1")  # another stream's: never touched
-        q = RedisStorageQueue(redis_server.url, stream)
+        q = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
         with pytest.raises(RedisStreamLayoutError, match=r"not made by this version.*\.delete\(\)") as info:
             q.get(timeout=1)
         assert info.value.stream == stream and pickle.loads(pickle.dumps(info.value)).stream == stream
@@ -577,8 +578,8 @@ def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, 
     """Redis restarted empty: consumers, producers and DataLoaders raise RedisStreamLostError (no hang, no end)."""
     server = fresh_redis_server(appendonly=False)
     stream = _stream()
-    q = RedisStorageQueue(server.url, stream, retry_for=10.0)
-    producer = RedisStorageQueue(server.url, stream, retry_for=10.0)
+    q = RedisStorageQueue(server.url, stream, retry_for=10.0, trusted_roots=EVERYWHERE)
+    producer = RedisStorageQueue(server.url, stream, retry_for=10.0, trusted_roots=EVERYWHERE)
     for h in handles[:10]:
         producer.put(h)
     held = [q.get(timeout=5) for _ in range(3)]  # delivered, not acknowledged
@@ -610,7 +611,7 @@ def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, 
         trainer.join(60)
         assert trainer.exitcode == 0
 
-        fresh = RedisStorageQueue(server.url, stream)  # a new process starts the stream anew (a new epoch)
+        fresh = RedisStorageQueue(server.url, stream, trusted_roots=EVERYWHERE)  # a new process starts the stream anew (a new epoch)
         fresh.put(handles[11])
         with pytest.raises(RedisStreamLostError, match="made anew"):
             copy.get(timeout=30)
@@ -633,9 +634,9 @@ def test_entries_another_trainer_holds_do_not_hold_the_end_back(redis_server):
     from torch_storage_loader.redis_queue import _family
 
     stream = _stream()
-    q = RedisStorageQueue(redis_server.url, stream)
-    trainer_b = RedisStorageQueue(redis_server.url, stream)
-    worker_a = RedisStorageQueue(redis_server.url, stream)
+    q = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
+    trainer_b = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
+    worker_a = RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE)
     try:
         q.put(FileStorage("/e/0.tsl"))
         q.put(FileStorage("/e/1.tsl"))

@@ -40,6 +40,7 @@ _EXPORTS = {
     "StorageUnavailableError": "errors",
     "UnregisteredStorageTypeError": "errors",
     "UnsupportedLeafError": "errors",
+    "UntrustedStorageError": "errors",
     "WorkerDiedError": "errors",
     "configure_object_store": "_objects",
     "end_directory_stream": "_sources",
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
                          RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError, SampleMismatchError,
                          SampleTooLargeError, SampleTooLargeForDeviceError, SlotPinningWarning, StorageCorruptError,
                          StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
-                         WorkerDiedError)
+                         UntrustedStorageError, WorkerDiedError)
     from ._codec import register_storage_type
     from ._objects import configure_object_store
     from ._sources import DirectorySource, end_directory_stream

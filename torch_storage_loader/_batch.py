@@ -13,27 +13,40 @@ __all__ = ["file_iovecs", "leaf_paths", "plan"]
 _SCALARS = ("n", "b", "i", "f", "c", "s")
 
 
-def leaf_paths(spec: list) -> list[str]:
-    """Key path of every array leaf of ``spec``, in leaf order."""
-    out: list[str] = []
+def leaf_paths(spec: list) -> list[tuple]:
+    """Key path (a tuple of keys and indices) of every array leaf of ``spec``, in leaf order."""
+    out: list[tuple] = []
 
     def walk(node, path):
         tag = node[0]
         if tag == "a":
-            out.append(path or "<root>")
+            out.append(path)
         elif tag in ("d", "od", "tt", "tn"):
             for k, child in zip(node[1], node[2]):
-                walk(child, f"{path}[{(k[1] if type(k) is list else k)!r}]")
+                walk(child, path + (k[1] if type(k) is list else k,))
         elif tag in ("l", "t"):
             for i, child in enumerate(node[1]):
-                walk(child, f"{path}[{i}]")
+                walk(child, path + (i,))
 
-    walk(spec, "")
+    walk(spec, ())
     return out
 
 
-def _merge(specs: list[list], path: str, names: list[str]) -> list:
-    """One spec for the batch; inline scalars that vary become a ``["v", [node, ...]]`` list."""
+def _show_path(path: tuple) -> str:
+    """``('obs', 0)`` -> ``"['obs'][0]"``; long keys and deep paths are cut (they come from files)."""
+    shown = "".join(f"[{_short(repr(k), 40)}]" for k in path[:12])
+    return (shown + ("[...]" if len(path) > 12 else "")) or "<root>"
+
+
+def _short(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
+    """One spec for the batch; inline scalars that vary become a ``["v", [node, ...]]`` list.
+
+    ``path`` is a tuple of keys, formatted only for an error: building a string per node would
+    cost the depth times the keys' length at every level."""
     first = specs[0]
     tag = first[0]
     if tag in _SCALARS:
@@ -47,15 +60,15 @@ def _merge(specs: list[list], path: str, names: list[str]) -> list:
     if tag in ("d", "od", "tt", "tn"):
         for j, s in enumerate(specs[1:], 1):
             if s[1] != first[1]:
-                raise _mismatch(path, names[0], names[j], f"keys {first[1]}", f"keys {s[1]}")
-        return [tag, first[1], [_merge([s[2][i] for s in specs], f"{path}[{k[1] if type(k) is list else k!r}]", names)
+                raise _mismatch(path, names[0], names[j], f"keys {_short(repr(first[1]))}", f"keys {_short(repr(s[1]))}")
+        return [tag, first[1], [_merge([s[2][i] for s in specs], path + (k[1] if type(k) is list else k,), names)
                                 for i, k in enumerate(first[1])]]
     if tag in ("l", "t"):
         for j, s in enumerate(specs[1:], 1):
             if len(s[1]) != len(first[1]):
                 raise _mismatch(path, names[0], names[j], f"length {len(first[1])}", f"length {len(s[1])}")
-        return [tag, [_merge([s[1][i] for s in specs], f"{path}[{i}]", names) for i in range(len(first[1]))]]
-    raise ValueError(f"unknown tree node tag {tag!r}")
+        return [tag, [_merge([s[1][i] for s in specs], path + (i,), names) for i in range(len(first[1]))]]
+    raise ValueError("unknown tree node tag")
 
 
 def _kind(node: list) -> str:
@@ -63,30 +76,31 @@ def _kind(node: list) -> str:
         node[0], "scalar")
 
 
-def _mismatch(path: str, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
+def _mismatch(path: tuple, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
+    shown = _show_path(path)
     return SampleMismatchError(
-        f"cannot stack the batch: at {path or '<root>'} {name_a} has {a} but {name_b} has {b}; "
+        f"cannot stack the batch: at {shown} {name_a} has {a} but {name_b} has {b}; "
         "pass collate_fn= to combine samples whose shapes differ (or batch_size=None)",
-        key_path=path or "<root>",
+        key_path=shown,
     )
 
 
 def plan(headers: list[Header], names: list[str]) -> Header:
     """The stacked header of a batch; raises ``SampleMismatchError`` naming the key path."""
     first = headers[0]
-    spec = _merge([h.spec for h in headers], "", names)
-    paths = leaf_paths(first.spec)
+    spec = _merge([h.spec for h in headers], (), names)
     k = len(headers)
     arrays, offset = [], 0
     for i, e in enumerate(first.arrays):
         for j, h in enumerate(headers[1:], 1):
             o = h.arrays[i]
             if (o.kind, o.dtype, o.shape) != (e.kind, e.dtype, e.shape):
-                raise _mismatch(paths[i], names[0], names[j], f"{e.dtype} {list(e.shape)}", f"{o.dtype} {list(o.shape)}")
+                raise _mismatch(leaf_paths(first.spec)[i], names[0], names[j], _short(f"{e.dtype} {list(e.shape)}"),
+                                _short(f"{o.dtype} {list(o.shape)}"))
         if e.kind in BYTE_KINDS:
+            shown = _show_path(leaf_paths(first.spec)[i])
             raise SampleMismatchError(
-                f"cannot stack the {e.kind} leaf at {paths[i]}; pass collate_fn= to batch such samples",
-                key_path=paths[i])
+                f"cannot stack the {e.kind} leaf at {shown}; pass collate_fn= to batch such samples", key_path=shown)
         arrays.append(ArrayEntry("numpy" if e.kind == "numpy_scalar" else e.kind, e.dtype, (k, *e.shape),
                                  offset, k * e.nbytes))
         offset = align(offset + k * e.nbytes)

@@ -79,31 +79,41 @@ class Ledger:
     def _run(self) -> None:
         next_keep = time.monotonic() + (self._keep_every or 0)
         while True:
-            timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
-            with self._lock:
-                live = [r for i, r in enumerate(self._readers) if i not in self._eof]
-            ready = mp_connection.wait([*live, self._stop_r], timeout)
-            if self._stop_r in ready and b"x" in os.read(self._stop_r, 4096):
-                return
-            with self._lock:
-                if self._closed:
+            try:
+                if self._step(next_keep):
                     return
-                self._drain()
-                keep = bool(self._keep_every) and time.monotonic() >= next_keep
-                held = [t for tokens in self._taken.values() for t in tokens] if keep else []
-                acks, self._acks = self._acks, []
-            if acks:
-                try:
-                    self.source.ack(acks)
-                except Exception as exc:  # not acknowledged: redelivered after claim_after, counted
-                    logger.warning("could not acknowledge %d delivered handles: %s", len(acks), exc)
-            if keep:
+            except Exception:  # noqa: BLE001 - the thread must outlive whatever one round met
+                logger.exception("the tsl-ledger thread met an error; it goes on")
+                time.sleep(0.1)  # an error that repeats must not spin
+            if self._keep_every and time.monotonic() >= next_keep:
                 next_keep = time.monotonic() + self._keep_every
-                if held:
-                    try:
-                        self.source.keep_alive(held)
-                    except Exception as exc:  # the next round may get through
-                        logger.warning("could not keep %d delivered handles alive: %s", len(held), exc)
+
+    def _step(self, next_keep: float) -> bool:
+        """One round: wait, drain the pipes, send what is due; True once the ledger is closed."""
+        timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
+        with self._lock:
+            live = [r for i, r in enumerate(self._readers) if i not in self._eof]
+        ready = mp_connection.wait([*live, self._stop_r], timeout)
+        if self._stop_r in ready and b"x" in os.read(self._stop_r, 4096):
+            return True
+        with self._lock:
+            if self._closed:
+                return True
+            self._drain()
+            keep = bool(self._keep_every) and time.monotonic() >= next_keep
+            held = [t for tokens in self._taken.values() for t in tokens] if keep else []
+            acks, self._acks = self._acks, []
+        if acks:
+            try:
+                self.source.ack(acks)
+            except Exception as exc:  # not acknowledged: redelivered after claim_after, counted
+                logger.warning("could not acknowledge %d delivered handles: %s", len(acks), exc)
+        if keep and held:
+            try:
+                self.source.keep_alive(held)
+            except Exception as exc:  # the next round may get through
+                logger.warning("could not keep %d delivered handles alive: %s", len(held), exc)
+        return False
 
     def _drain(self) -> None:
         for i, reader in enumerate(self._readers):
@@ -111,15 +121,23 @@ class Ledger:
                 continue
             try:
                 while reader.poll():
-                    kind, inc, item, tokens = reader.recv()
-                    entry = self._taken.setdefault((i, inc, item), [])
-                    if kind == TAKE:
-                        entry.extend(tokens)
-                    else:
-                        for t in tokens:
-                            entry.remove(t)
+                    self._note(i, reader.recv())
             except (EOFError, OSError):
                 self._eof.add(i)
+
+    def _note(self, worker: int, msg: Any) -> None:
+        """Record one message of a worker's pipe; one that is not (kind, incarnation, item, tokens) is logged."""
+        if not (type(msg) is tuple and len(msg) == 4 and msg[0] in (TAKE, DROP) and type(msg[3]) is list):
+            logger.warning("worker %d wrote a message that is not a ledger entry; ignored", worker)
+            return
+        kind, inc, item, tokens = msg
+        entry = self._taken.setdefault((worker, inc, item), [])
+        if kind == TAKE:
+            entry.extend(tokens)
+            return
+        for t in tokens:
+            if t in entry:
+                entry.remove(t)
 
     def delivered(self, worker: int, ok: bool = True) -> None:
         """The iterator is handing worker ``worker``'s next item to the trainer (``ok``: not an exception)."""

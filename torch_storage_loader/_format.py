@@ -14,14 +14,23 @@ Layout (all integers little-endian)::
 
 Array offsets are relative to the data section, so a worker can ``readinto`` the whole section
 (or scatter it with ``preadv``) straight into a shared-memory slot and the views line up.
+Reading is total: any bytes give a ``Header`` that is exactly what ``serialize`` writes (every
+type checked, arrays laid out in order, the tree's leaves numbered depth-first, bounds from
+``_limits`` checked before the JSON is parsed), or ``StorageCorruptError`` naming the file and never
+quoting it. Files are opened without following a symbolic link and without blocking, and must be
+regular files (a FIFO or a device is refused, not waited on). Workers validate here, before any
+slot is taken, so a refused file costs neither a slot nor a ring nor a worker.
 This module imports neither torch nor the tree code, so worker processes start fast.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import re
+import stat
 import struct
 import uuid
 from dataclasses import dataclass
@@ -29,7 +38,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import StorageCorruptError, StorageNotFoundError
+from . import _limits
+from .errors import (PickleNotAllowedError, StorageCorruptError, StorageNotFoundError, UnsupportedLeafError,
+                     UntrustedStorageError)
 
 __all__ = ["ALIGN", "ArrayEntry", "Header", "MAGIC", "ReadOptions", "VERSION", "read_header", "read_into", "serialize", "write"]
 
@@ -37,7 +48,8 @@ MAGIC = b"TSLSTOR\x00"
 VERSION = 1
 ALIGN = 64
 FIXED = struct.Struct("<8sIIQQ")
-MAX_HEADER = 256 << 20
+MAX_HEADER = _limits.HEADER_MAX_BYTES
+MAX_DIMS = 64  # numpy's limit
 _FIRST_READ = 64 << 10
 _IOV_MAX = 512
 
@@ -107,6 +119,7 @@ def serialize(spec: list, leaves: Sequence) -> tuple[list, int]:
     arrays, data_size = layout(leaves)
     header = json.dumps({"arrays": arrays, "tree": spec}, sort_keys=True, separators=(",", ":"),
                         allow_nan=False).encode()
+    _check_writable(header)
     data_offset = align(FIXED.size + len(header))
     head = FIXED.pack(MAGIC, VERSION, len(header), data_offset, data_size) + header
     buffers: list = [head + bytes(data_offset - len(head))]
@@ -140,6 +153,17 @@ def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool 
     return size
 
 
+def _check_writable(header: bytes) -> None:
+    """Refuse to write a header that readers would refuse (see ``_limits``): a file must load where it saves."""
+    values = 0 if len(header) <= _limits.HEADER_MAX_VALUES else _limits.measure(header, _limits.HEADER_MAX_VALUES)[1]
+    if len(header) > MAX_HEADER or values > _limits.HEADER_MAX_VALUES:
+        raise UnsupportedLeafError(
+            f"the sample's header (its tree and one entry per array) would take {len(header)} bytes and {values} "
+            f"JSON values, over what readers accept ({MAX_HEADER} bytes, {_limits.HEADER_MAX_VALUES} values: about "
+            "17,000 arrays); store fewer, larger arrays (stack small ones), and long text as bytes",
+            key_path="<root>")
+
+
 def _writev_all(fd: int, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
@@ -159,26 +183,35 @@ def _corrupt(path: str, why: str) -> StorageCorruptError:
     )
 
 
+# The dtype strings ``numpy.dtype.str`` gives for the kinds stored: "<f4", "|b1", "<U5", "<M8[ns]", ...
+_DTYPE_STR = re.compile(r"[<|][biufcmMUS][0-9]{1,9}(\[[0-9]{0,9}[a-zA-Z]{1,3}\])?")
+
+
 @functools.lru_cache(maxsize=1024)
 def _itemsize(kind: str, dtype: str) -> int:
     if kind == "torch":
         return TORCH_ITEMSIZE[dtype]
     if kind in BYTE_KINDS:
         if dtype != "|u1":
-            raise ValueError(dtype)
+            raise ValueError("bytes are stored as |u1")
         return 1
+    if not _DTYPE_STR.fullmatch(dtype):
+        raise ValueError("not a dtype string numpy writes")
     dt = np.dtype(dtype)
-    if dt.kind not in "biufcmMUS" or dt.fields is not None or dt.str != dtype:
-        raise ValueError(dtype)
+    if dt.kind not in "biufcmMUS" or dt.fields is not None or dt.str != dtype or dt.itemsize < 1:
+        raise ValueError("not a dtype stored as raw bytes")
     return dt.itemsize
 
 
-def parse_header(raw: bytes, path: str, file_size: int | None) -> tuple[Header, int]:
-    """Parse a header from the start of a file; returns it and how many bytes it needs in total."""
+def parse_header(raw, path: str, file_size: int | None) -> tuple[Header | None, int]:
+    """Parse a header from the start of a file; returns it and how many bytes it needs in total.
+
+    The header is None when ``raw`` is shorter than that: read that many bytes and call again.
+    """
     if raw[: len(MAGIC)] != MAGIC[: len(raw)]:
         raise StorageCorruptError(
-            f"{path}: not a torch_storage_loader file (bad magic {bytes(raw[:8])!r}); pass only files "
-            "written by FileStorage.save or a FileStorageLoader", path=path)
+            f"{path}: not a torch_storage_loader file (it does not start with the format's magic bytes); pass "
+            "only files written by FileStorage.save or a FileStorageLoader", path=path)
     if len(raw) < FIXED.size:
         raise _corrupt(path, f"file is truncated ({len(raw)} bytes)")
     magic, version, header_len, data_offset, data_size = FIXED.unpack_from(raw)
@@ -188,31 +221,201 @@ def parse_header(raw: bytes, path: str, file_size: int | None) -> tuple[Header, 
             "upgrade torch_storage_loader to read it",
             path=path,
         )
-    if header_len > MAX_HEADER or data_offset != align(FIXED.size + header_len):
+    if header_len > MAX_HEADER:
+        raise _corrupt(path, f"its header claims {header_len} bytes, over the {MAX_HEADER} a reader accepts")
+    if data_offset != align(FIXED.size + header_len):
         raise _corrupt(path, f"header length {header_len} / data offset {data_offset} are inconsistent")
     if file_size is not None and file_size != data_offset + data_size:
         raise _corrupt(path, f"file is truncated or has trailing bytes: {file_size} bytes, "
                              f"header says {data_offset + data_size}")
     end = FIXED.size + header_len
     if len(raw) < end:
-        return None, end  # type: ignore[return-value]
+        return None, end
+    with memoryview(raw) as view:
+        return _parse_doc(view[FIXED.size:end], path, data_offset, data_size), end
+
+
+# Headers parsed in this process, by their exact text and data size: consecutive samples of one
+# structure often have byte-identical headers, which then cost a lookup instead of a parse. Bounded
+# by count and by size; cleared when full.
+_parsed: dict[tuple[bytes, int], tuple[list, tuple]] = {}
+_PARSED_MAX, _PARSED_MAX_TEXT, _PARSED_MAX_BYTES = 64, 256 << 10, 4 << 20
+_parsed_bytes = 0
+
+
+def _parse_doc(text, path: str, data_offset: int, data_size: int) -> Header:
+    global _parsed_bytes
+    key = (bytes(text), data_size) if len(text) <= _PARSED_MAX_TEXT else None
+    known = _parsed.get(key) if key is not None else None
+    if known is not None:
+        return Header(known[0], known[1], data_offset, data_size)
+    header = _parse_new_doc(text, path, data_offset, data_size)
+    if key is not None:
+        if len(_parsed) >= _PARSED_MAX or _parsed_bytes + len(key[0]) > _PARSED_MAX_BYTES:
+            _parsed.clear()
+            _parsed_bytes = 0
+        _parsed[key] = (header.spec, header.arrays)
+        _parsed_bytes += len(key[0])
+    return header
+
+
+def _parse_new_doc(text, path: str, data_offset: int, data_size: int) -> Header:
     try:
-        doc = json.loads(bytes(raw[FIXED.size:end]))
-        arrays = []
-        for kind, dtype, shape, offset, nbytes in doc["arrays"]:
-            if kind not in KINDS or not all(type(s) is int and s >= 0 for s in shape):
-                raise ValueError(kind)
-            count = 1
-            for s in shape:
-                count *= s
-            if (type(offset) is not int or offset % ALIGN or offset < 0 or nbytes != count * _itemsize(kind, dtype)
-                    or offset + nbytes > data_size):
-                raise ValueError(offset)
-            arrays.append(ArrayEntry(kind, dtype, tuple(shape), offset, nbytes))
-        spec = doc["tree"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _corrupt(path, f"header is damaged ({type(exc).__name__}: {exc})") from None
-    return Header(spec, tuple(arrays), data_offset, data_size), end
+        doc = _limits.loads(text, max_bytes=MAX_HEADER, max_depth=_limits.HEADER_MAX_DEPTH,
+                            max_values=_limits.HEADER_MAX_VALUES, floats=False)
+    except ValueError as exc:
+        raise _corrupt(path, f"its header is damaged: {exc}") from None
+    if type(doc) is not dict or len(doc) != 2 or "arrays" not in doc or "tree" not in doc:
+        raise _corrupt(path, 'its header is not {"arrays": [...], "tree": ...}')
+    arrays = _arrays(doc["arrays"], path, data_size)
+    check_tree(doc["tree"], arrays, path)
+    return Header(doc["tree"], arrays, data_offset, data_size)
+
+
+def _arrays(entries, path: str, data_size: int) -> tuple[ArrayEntry, ...]:
+    """The array table, exactly as ``layout`` writes it: each entry typed and consistent, each array
+    starting where the previous one ended (64-byte aligned), the last one ending the data section."""
+    if type(entries) is not list:
+        raise _corrupt(path, "its array table is not a list")
+    out, pos = [], 0
+    for i, e in enumerate(entries):
+        if type(e) is not list or len(e) != 5:
+            raise _bad_array(path, i, "is not [kind, dtype, shape, offset, nbytes]")
+        kind, dtype, shape, offset, nbytes = e
+        if type(kind) is not str or kind not in KINDS:
+            raise _bad_array(path, i, "has an unknown kind")
+        if type(dtype) is not str or len(dtype) > 32:
+            raise _bad_array(path, i, "has a dtype that is not a short string")
+        try:
+            itemsize = _itemsize(kind, dtype)
+        except Exception:  # noqa: BLE001 - whatever numpy makes of it, it is not ours
+            raise _bad_array(path, i, f"has a dtype this reader does not store as {kind}") from None
+        if type(shape) is not list or len(shape) > MAX_DIMS:
+            raise _bad_array(path, i, f"has a shape that is not a list of at most {MAX_DIMS} sizes")
+        count = span = 1
+        for n in shape:
+            if type(n) is not int or not 0 <= n < 1 << 63:
+                raise _bad_array(path, i, "has a size that is not an integer in [0, 2**63)")
+            count *= n
+            span *= n or 1
+        if span * itemsize >= 1 << 63:  # numpy refuses such a shape even with a zero in it
+            raise _bad_array(path, i, "has a shape too large to make, even empty")
+        if (kind == "numpy_scalar" and shape) or (kind in BYTE_KINDS and len(shape) != 1):
+            raise _bad_array(path, i, f"has a shape a {kind} leaf never has")
+        if type(offset) is not int or type(nbytes) is not int:
+            raise _bad_array(path, i, "has an offset or size that is not an integer")
+        if nbytes != count * itemsize:
+            raise _bad_array(path, i, "has a size that does not match its shape and dtype")
+        if offset != pos:
+            raise _bad_array(path, i, f"starts at {offset}, not at {pos} where the previous array ends "
+                                      "(arrays are laid out in order, 64-byte aligned, never overlapping)")
+        if offset + nbytes > data_size:
+            raise _bad_array(path, i, "ends past the data section")
+        pos = align(offset + nbytes)
+        out.append(ArrayEntry(kind, dtype, tuple(shape), offset, nbytes))
+    if pos != data_size:
+        raise _corrupt(path, f"its data section is {data_size} bytes but its arrays take {pos}")
+    return tuple(out)
+
+
+def _bad_array(path: str, i: int, why: str) -> StorageCorruptError:
+    return _corrupt(path, f"array {i} of its header {why}")
+
+
+_CONTAINERS = ("d", "od", "tt", "tn")
+_NODE_LEN = {"n": 1, "b": 2, "i": 2, "s": 2, "f": 2, "c": 3, "a": 2, "l": 2, "t": 2}
+
+
+_TREE_LEAF_KIND = {"tt": "torch", "tn": "numpy"}  # what a treetensor tree holds: arrays of its kind, subtrees
+
+
+def check_tree(spec, arrays: tuple[ArrayEntry, ...], path: str) -> None:
+    """Check a file's tree spec node by node, exactly as ``_tree.encode`` writes it, or raise
+    ``StorageCorruptError``: known tags with their arity and value types (``bool`` is not an
+    ``int``; inline ints below ``_limits.INLINE_INT_BOUND``), finite or infinite hexadecimal floats,
+    dict keys of one length with their children, treetensor trees holding only arrays of their kind
+    and subtrees of their own, at most ``MAX_TREE_DEPTH`` containers deep, and array leaves numbered
+    0, 1, 2... in depth-first order, each array used exactly once. What passes builds."""
+    leaves = 0
+    stack: list = [(spec, 0, None)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node, depth, tree = pop()  # tree: the tag of the treetensor tree holding this node, if any
+        if type(node) is not list or not node:
+            raise _bad_node(path, depth, "is not a non-empty list")
+        tag = node[0]
+        if tag == "a":
+            if len(node) != 2 or type(node[1]) is not int or node[1] != leaves:
+                raise _bad_node(path, depth, f"is not array leaf {leaves} (leaves are numbered in depth-first order)")
+            if tree is not None and arrays[leaves].kind != _TREE_LEAF_KIND[tree]:
+                raise _bad_node(path, depth, "is an array of another kind than its treetensor tree holds")
+            leaves += 1
+            continue
+        if type(tag) is not str:
+            raise _bad_node(path, depth, "has no tag")
+        if tree is not None and tag != tree:
+            raise _bad_node(path, depth, "is neither an array nor a subtree, inside a treetensor tree")
+        if tag in _CONTAINERS or tag == "l" or tag == "t":
+            if depth >= _limits.MAX_TREE_DEPTH:
+                raise _bad_node(path, depth, f"is nested over {_limits.MAX_TREE_DEPTH} levels deep")
+            if tag == "l" or tag == "t":
+                if len(node) != 2 or type(node[1]) is not list:
+                    raise _bad_node(path, depth, "is not [tag, [children]]")
+                children = node[1]
+            else:
+                if len(node) != 3 or type(node[1]) is not list or type(node[2]) is not list \
+                        or len(node[1]) != len(node[2]):
+                    raise _bad_node(path, depth, "is not [tag, [keys], [children]] with one child per key")
+                keyed_by_int = tag == "d" or tag == "od"
+                for k in node[1]:
+                    if type(k) is not str and not (keyed_by_int and type(k) is list and len(k) == 2
+                                                   and k[0] == "int" and _is_inline_int(k[1])):
+                        raise _bad_node(path, depth, "has a key that is neither a string nor an int")
+                children = node[2]
+            inner = tag if tag in _TREE_LEAF_KIND else None
+            for child in reversed(children):
+                push((child, depth + 1, inner))
+            continue
+        if _NODE_LEN.get(tag) != len(node):
+            raise _bad_node(path, depth, "has an unknown tag, or the wrong number of fields for its tag")
+        if tag == "n":
+            continue
+        value = node[1]
+        if tag == "f" or tag == "c":
+            for v in node[1:]:
+                if not _is_hex_float(v):
+                    raise _bad_node(path, depth, "holds a float that is not a finite or infinite double in hex")
+        elif (tag == "b" and type(value) is not bool) or (tag == "i" and not _is_inline_int(value)) \
+                or (tag == "s" and type(value) is not str):
+            raise _bad_node(path, depth, "holds a value of the wrong type for its tag")
+    if leaves != len(arrays):
+        raise _corrupt(path, f"its tree uses {leaves} arrays but its header lists {len(arrays)}")
+
+
+def check_readable(header: Header, opts: ReadOptions, path: str) -> None:
+    """Refuse, where the file is read (before a slot is taken), what the receiver would refuse to build."""
+    if not opts.allow_pickle and any(e.kind == "pickle" for e in header.arrays):
+        raise PickleNotAllowedError(
+            f"{path}: holds a pickled value; loading it would run code from the file. Pass allow_pickle=True "
+            "only if you trust whoever wrote it", path=path)
+
+
+def _is_inline_int(v) -> bool:
+    return type(v) is int and -_limits.INLINE_INT_BOUND < v < _limits.INLINE_INT_BOUND
+
+
+def _is_hex_float(v) -> bool:
+    if type(v) is not str or len(v) > 32:
+        return False
+    try:
+        float.fromhex(v)
+    except (ValueError, OverflowError):
+        return False
+    return True
+
+
+def _bad_node(path: str, depth: int, why: str) -> StorageCorruptError:
+    return _corrupt(path, f"a node of its tree {depth} levels down {why}")
 
 
 def read_header(fd: int, path: str) -> Header:
@@ -221,19 +424,55 @@ def read_header(fd: int, path: str) -> Header:
     raw = os.pread(fd, _FIRST_READ, 0)
     header, need = parse_header(raw, path, size)
     if header is None:
-        header, _ = parse_header(raw + os.pread(fd, need - len(raw), len(raw)), path, size)
+        raw = os.pread(fd, need, 0)
+        header, _ = parse_header(raw, path, size)
+        if header is None:
+            raise _corrupt(path, "file shrank while its header was read")
     return header
 
 
 def open_storage(path: str) -> int:
+    """Open a storage file to read: never through a symbolic link, never blocking (a FIFO), and
+    only if it is a regular file."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         raise StorageNotFoundError(
             f"{path}: no such storage file; it was deleted (a FileStorageLoader's ttl expired, or it "
             "was shut down) or never written: raise ttl, or load before it expires",
             path=path,
         ) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedStorageError(
+                f"{path}: is a symbolic link; storage files are opened without following links (one in a "
+                "watched directory could point anywhere): pass the path of the file itself", path=path) from None
+        if exc.errno == errno.ENAMETOOLONG:
+            raise StorageNotFoundError(f"{path}: the path is too long to be a storage file", path=path) from None
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise exc from None
+        if stat.S_ISREG(mode):
+            raise
+        raise _not_regular(path, mode) from None  # a socket cannot even be opened (ENXIO)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: str, mode: int) -> UntrustedStorageError:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a special file")
+    return UntrustedStorageError(
+        f"{path}: is {kind}, not a regular file; storage files are regular files written by "
+        "torch_storage_loader (reading anything else could block or never end)", path=path)
 
 
 def preadv_into(fd: int, buffers: list, offset: int, path: str) -> None:

@@ -15,26 +15,28 @@ seconds; then ``StorageUnavailableError`` names the URL and the endpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import errno
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import logging
 
 from . import _format
 from .errors import StorageCorruptError, StorageError, StorageNotFoundError, StorageUnavailableError
 
-__all__ = ["Config", "apply", "configure_object_store", "create_if_absent", "exists", "is_url", "known_store", "listing", "put", "read_all", "read_header",
-           "read_into", "remove", "snapshot", "use_obstore_here"]
+__all__ = ["Config", "apply", "bounded", "configure_object_store", "create_if_absent", "exists", "is_url", "listing",
+           "put", "read_all", "read_head", "read_header", "read_into", "remove", "snapshot", "use_obstore_here"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 30.0
-CHUNK = 8 << 20  # a large sample is read as ranges of this size, all in flight together
+CHUNK = 8 << 20  # a large sample is read as ranges of this size ...
+WINDOW = 4  # ... this many in flight at a time: at most 32 MiB held on top of the slot
 _HEAD = 64 << 10  # the first read: the header, and the whole of a small sample
 
 
@@ -149,9 +151,27 @@ def _endpoint(url: str) -> str:
             or f"the default {protocol(url)}:// endpoint")
 
 
+_local = threading.local()  # per thread: a stop event and a deadline that cut retries short (see bounded)
+
+
+@contextlib.contextmanager
+def bounded(stop: threading.Event | None = None, seconds: float | None = None) -> Iterator[None]:
+    """Within the block, this thread's retries give up once ``stop`` is set or after ``seconds``
+    (``StorageUnavailableError``), whatever ``retry_timeout`` says: for background threads that must
+    stop when asked, and for shutdowns that must end while a store is down."""
+    saved = getattr(_local, "stop", None), getattr(_local, "deadline", None)
+    _local.stop = stop if stop is not None else saved[0]
+    _local.deadline = time.monotonic() + seconds if seconds is not None else saved[1]
+    try:
+        yield
+    finally:
+        _local.stop, _local.deadline = saved
+
+
 def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, retried on transient errors; client errors become ours, naming ``url``."""
     delay, deadline = 0.05, None
+    stop, cut = getattr(_local, "stop", None), getattr(_local, "deadline", None)
     while True:
         try:
             return fn(*args, **kwargs)
@@ -181,7 +201,14 @@ def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> An
                     f"{url}: {what} kept failing for {timeout:g} s ({type(exc).__name__}: {exc}); is the object "
                     f"store at {_endpoint(url)} running and reachable? (retry_timeout sets how long to retry)",
                     url=url) from exc
-            time.sleep(delay)
+            if (stop is not None and stop.is_set()) or (cut is not None and now + delay > cut):
+                raise StorageUnavailableError(
+                    f"{url}: {what} failed ({type(exc).__name__}: {exc}) and was not retried further: the thread "
+                    "is stopping", url=url) from exc
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
 
@@ -208,9 +235,10 @@ def use_obstore_here() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _obstore_allowed, _obstore_poisoned
+    global _obstore_allowed, _obstore_poisoned, _lock
     # Imported by the parent (by this library in a worker, or by the user): its runtime may be running.
     _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used or "obstore" in sys.modules
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -273,7 +301,9 @@ def _key(url: str) -> str:
     return url.split("://", 1)[1].split("/", 1)[1]
 
 
-def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None) -> list:
+def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None, sink: Callable[[int, Any], None]) -> None:
+    """Read ``ranges`` of ``url``, at most ``WINDOW`` in flight at a time; ``sink(i, data)`` takes range ``i``
+    as it arrives (and must copy it: the buffer is dropped afterwards)."""
     store = _obstore(url)
     if store is not None:
         import obstore
@@ -282,17 +312,34 @@ def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None) ->
             return {"range": r, **({"if_match": version} if version else {})}
 
         if len(ranges) == 1:
-            return [obstore.get(store, _key(url), options=options(ranges[0])).bytes()]
+            sink(0, obstore.get(store, _key(url), options=options(ranges[0])).bytes())
+            return
 
         async def all_ranges():
-            async def one(r):
-                return await (await obstore.get_async(store, _key(url), options=options(r))).bytes_async()
-            return await asyncio.gather(*map(one, ranges))
-        return asyncio.run(all_ranges())
+            window = asyncio.Semaphore(WINDOW)
+
+            async def one(i, r):
+                async with window:
+                    sink(i, await (await obstore.get_async(store, _key(url), options=options(r))).bytes_async())
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(ranges)))
+        asyncio.run(all_ranges())
+        return
     fs = filesystem(url)
     if len(ranges) == 1:
-        return [fs.cat_file(url, start=ranges[0][0], end=ranges[0][1])]
-    return fs.cat_ranges([url] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="raise")
+        sink(0, fs.cat_file(url, start=ranges[0][0], end=ranges[0][1]))
+        return
+    for w in range(0, len(ranges), WINDOW):
+        part = ranges[w: w + WINDOW]
+        for i, data in enumerate(fs.cat_ranges([url] * len(part), [r[0] for r in part], [r[1] for r in part],
+                                               on_error="raise"), w):
+            sink(i, data)
+            del data
+
+
+def _get(url: str, start: int, end: int, version: str | None) -> bytes:
+    out: list = []
+    _get_ranges(url, [(start, end)], version, lambda i, data: out.append(data))
+    return out[0]
 
 
 # ----------------------------------------------------------------------------- the format
@@ -301,31 +348,39 @@ def read_header(url: str, size: int | None, version: str | None) -> tuple[_forma
     if size is None:
         size = retrying(url, "reading the size", lambda: filesystem(url).size(url))
     first = min(size, _HEAD) if size else _HEAD
-    raw = memoryview(retrying(url, "reading the header", _get_ranges, url, [(0, first)], version)[0])
+    raw = memoryview(retrying(url, "reading the header", _get, url, 0, first, version))
     if len(raw) < first:
         raise _format._corrupt(url, f"object is truncated ({len(raw)} bytes, its handle says {size})")
     header, need = _format.parse_header(raw, url, size)
     if header is None:
-        raw = memoryview(bytes(raw) + retrying(url, "reading the header", _get_ranges, url,
-                                               [(len(raw), need)], version)[0])
+        rest = retrying(url, "reading the header", _get, url, len(raw), need, version)
+        if len(rest) != need - len(raw):
+            raise _format._corrupt(url, f"object is truncated ({len(raw) + len(rest)} bytes, its header needs {need})")
+        raw = memoryview(bytes(raw) + bytes(rest))  # (obstore gives a buffer of its own, not bytes)
+        del rest
         header, _ = _format.parse_header(raw, url, size)
+        if header is None:
+            raise _format._corrupt(url, "object shrank while its header was read")
     return header, raw
 
 
 def read_into(url: str, view: memoryview, offset: int, version: str | None, have: memoryview) -> None:
     """Fill ``view`` with the object's bytes from ``offset``: first from ``have`` (bytes from 0), then
-    with ranged reads of ``CHUNK`` bytes, all in flight together."""
+    with ranged reads of ``CHUNK`` bytes, ``WINDOW`` in flight at a time, each copied as it lands."""
     done = max(0, min(len(view), len(have) - offset))
     view[:done] = have[offset: offset + done]
     ranges = [(offset + s, offset + min(s + CHUNK, len(view))) for s in range(done, len(view), CHUNK)]
     if not ranges:
         return
-    parts = retrying(url, "reading", _get_ranges, url, ranges, version)
-    for (start, end), part in zip(ranges, parts):
-        part = memoryview(part)
-        if len(part) != end - start:
-            raise _format._corrupt(url, f"object shrank while it was read ({len(part)} of {end - start} bytes)")
-        view[start - offset: end - offset] = part
+
+    def land(i: int, data: Any) -> None:
+        start, end = ranges[i]
+        with memoryview(data) as part:
+            if len(part) != end - start:
+                raise _format._corrupt(url, f"object shrank while it was read ({len(part)} of {end - start} bytes)")
+            view[start - offset: end - offset] = part
+
+    retrying(url, "reading", _get_ranges, url, ranges, version, land)
 
 
 def put(url: str, buffers: list) -> str | None:
@@ -346,7 +401,7 @@ def create_if_absent(url: str, data: bytes) -> bool:
         retrying(url, "claiming", filesystem(url).pipe_file, url, data, mode="create")
     except (FileExistsError, StorageCorruptError):  # the store refused: the name is taken
         try:
-            return read_all(url) == data
+            return read_head(url, len(data) + 1) == data
         except StorageNotFoundError:
             return False  # taken, then released meanwhile: the next listing offers it again
     return True
@@ -365,6 +420,11 @@ def read_all(url: str) -> bytes:
     return retrying(url, "reading", filesystem(url).cat_file, url)
 
 
+def read_head(url: str, limit: int) -> bytes:
+    """At most the first ``limit`` bytes of ``url`` (one ranged read: never the whole of a large object)."""
+    return retrying(url, "reading", filesystem(url).cat_file, url, start=0, end=limit)
+
+
 def remove(url: str) -> bool:
     try:
         retrying(url, "deleting", filesystem(url).rm_file, url)
@@ -374,16 +434,6 @@ def remove(url: str) -> bool:
 
 
 _BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
-
-
-def known_store(url: str) -> bool:
-    """Whether ``url`` is on an object store (an S3-like protocol) or one configured in this process;
-    handles from the network name only those, so that a queue's writer cannot send workers to
-    arbitrary ``http://``, ``ftp://`` or ``sftp://`` addresses."""
-    if protocol(url) in _BUCKETED:
-        return True
-    with _lock:
-        return _root(url) in _config or protocol(url) in _config
 
 
 class Entry(NamedTuple):

@@ -10,21 +10,43 @@ one consumer succeeds. The claim's body names its trainer (host, family, pid). D
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
 import time
 from typing import Iterator
 
-from . import _objects
-from ._proc import trainer_alive
+from . import _limits, _objects
+from ._proc import PID_MAX, parse_pid, trainer_alive
 from .errors import StorageNotFoundError
 from .file_loader import SUFFIX
 from .storage import ObjectStorage, Storage
 
-__all__ = ["PrefixSource"]
+__all__ = ["PrefixSource", "parse_claim_body"]
 
 CLAIM, FAILED, LOADED = ".claim", ".failed", ".loaded"
+CLAIM_FIELDS = ("family", "host", "nonce", "pid")
+
+logger = logging.getLogger("torch_storage_loader")
+
+
+def parse_claim_body(body: bytes) -> dict | None:
+    """The owner a claim body names (``{"host", "family", "pid", "nonce"}``, each of its type and in
+    range), or None: whoever wrote it may have written anything."""
+    try:
+        owner = _limits.loads(body, max_bytes=_limits.CLAIM_MAX_BYTES, max_depth=_limits.CLAIM_MAX_DEPTH,
+                              max_values=_limits.CLAIM_MAX_VALUES, floats=False)
+    except ValueError:
+        return None
+    if type(owner) is not dict or sorted(owner) != list(CLAIM_FIELDS):
+        return None
+    host, family, pid, nonce = owner["host"], owner["family"], owner["pid"], owner["nonce"]
+    if type(host) is not str or not 0 < len(host) <= 255 or parse_pid(family) is None:
+        return None
+    if type(pid) is not int or not 1 <= pid <= PID_MAX or type(nonce) is not str or len(nonce) > 64:
+        return None
+    return owner
 
 
 class PrefixSource:
@@ -33,7 +55,9 @@ class PrefixSource:
     Consumers stop once ``end_directory_stream(prefix)`` was called and no object is unclaimed or
     claimed by another live trainer. Claims of a trainer that died on this host are deleted (so
     given back) by the next consumer that runs out of objects; those of a trainer that died on
-    another host stay until deleted by hand (``NAME.claim``).
+    another host stay until deleted by hand (``NAME.claim``). A claim whose body is over 4 KiB or
+    does not name its owner exactly (see ``parse_claim_body``) is ignored and counted (``refused``)
+    once: its object is neither delivered nor waited for.
     """
 
     finite = False
@@ -46,6 +70,10 @@ class PrefixSource:
         self.path = url.rstrip("/")
         self.delete_after_load = delete_after_load
         self.poll_interval = poll_interval
+        self.refused = 0  # claims refused in this process, each counted once
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "refused": 0}
 
     def iterate(self, shard: int, num_shards: int, skip: int = 0, *, family: str = "") -> Iterator[tuple[str, Storage]]:
         from ._sources import END_OF_STREAM
@@ -63,7 +91,7 @@ class PrefixSource:
                 claims = self._claims(entries, owners)
                 if self._reclaim_dead(claims, host):
                     continue
-                if ended and any(c.get("family") != family and (c.get("host") != host or _alive(c))
+                if ended and any(c["family"] != family and (c["host"] != host or _alive(c))
                                  for c in claims.values()):
                     ended = False
                 if ended:
@@ -90,18 +118,30 @@ class PrefixSource:
                 seen.add(key)
                 if key not in owners:
                     try:
-                        owners[key] = json.loads(_objects.read_all(entry.url))
-                    except (ValueError, StorageNotFoundError):
-                        continue
-                out[entry.url] = owners[key]
+                        owners[key] = self._owner(entry)
+                    except StorageNotFoundError:
+                        continue  # released meanwhile
+                if owners[key] is not None:
+                    out[entry.url] = owners[key]
         for key in set(owners) - seen:
             del owners[key]
         return out
 
+    def _owner(self, entry: _objects.Entry) -> dict | None:
+        """The owner a claim names; None (counted, logged) for one that is too large or does not parse."""
+        owner = None
+        if entry.size <= _limits.CLAIM_MAX_BYTES:  # never read a large one at all
+            owner = parse_claim_body(_objects.read_head(entry.url, _limits.CLAIM_MAX_BYTES + 1))
+        if owner is None:
+            self.refused += 1
+            _limits.log_refused(logger, "prefix %s: ignoring claim %s of %d bytes: it does not name its owner as "
+                                "{host, family, pid, nonce}", self.path, entry.url[-300:], entry.size)
+        return owner
+
     def _reclaim_dead(self, claims: dict[str, dict], host: str) -> int:
         n = 0
         for url, owner in claims.items():
-            if owner.get("host") == host and not _alive(owner):
+            if owner["host"] == host and not _alive(owner):
                 n += _objects.remove(url)
         return n
 
@@ -124,4 +164,4 @@ class PrefixSource:
 
 
 def _alive(owner: dict) -> bool:
-    return trainer_alive(str(owner.get("family", "")), int(owner.get("pid", 0)))
+    return trainer_alive(owner["family"], owner["pid"])

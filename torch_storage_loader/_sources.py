@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import multiprocessing.queues
 import os
 import queue as _queue
+import re
 import socket
 import time
 from typing import Any, Iterator
 
 import torch
 
-from . import _objects
+from . import _limits, _objects
 from ._prefix import PrefixSource
-from ._proc import trainer_alive
+from ._proc import parse_pid, trainer_alive
 from .file_loader import SUFFIX
 from .queue import StorageQueue
 from .storage import FileStorage, Storage
@@ -21,6 +24,8 @@ from .storage import FileStorage, Storage
 __all__ = ["DirectorySource", "END_OF_STREAM", "ListSource", "QueueSource", "as_source", "end_directory_stream"]
 
 END_OF_STREAM = "_END_OF_STREAM"
+
+logger = logging.getLogger("torch_storage_loader")
 
 
 class ListSource:
@@ -144,6 +149,11 @@ class DirectorySource:
     file is unclaimed or claimed by another live trainer. Producers should save with
     ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted before it is delivered.
 
+    Whoever can write into the directory is not trusted: a name that cannot be claimed (too long
+    to rename, say) and a claim whose name does not parse (``HOST-TRAINER-PID``, ASCII digits in
+    the kernel's pid range) are ignored and counted (``refused``) once each; files are opened
+    without following links, and a FIFO or device is refused, not read (see ``_format``).
+
     ``path`` may be an object-store prefix (``s3://bucket/prefix``): the source is then a
     ``PrefixSource``, which claims objects by conditional creation instead of renaming.
     """
@@ -163,6 +173,20 @@ class DirectorySource:
         self.path = os.fspath(path)
         self.delete_after_load = delete_after_load
         self.poll_interval = poll_interval
+        self.refused = 0  # names refused in this process, each counted once
+        self._refused: set[str] = set()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "refused": 0, "_refused": set()}
+
+    def _refuse(self, name: str, why: str) -> None:
+        if name in self._refused:
+            return
+        if len(self._refused) >= 1 << 16:
+            self._refused.clear()  # bounded: a name seen again then is counted again
+        self._refused.add(name)
+        self.refused += 1
+        _limits.log_refused(logger, "directory %s: ignoring %r: %s", self.path, name[:300], why)
 
     def _names(self) -> list[str]:
         try:
@@ -177,11 +201,12 @@ class DirectorySource:
         while True:
             ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))
             names = self._names()
-            unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".")]
+            unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".") and n not in self._refused]
             if not unclaimed:
-                if self._reclaim_dead(names, host):
+                claims = self._claims(names)
+                if self._reclaim_dead(claims, host):
                     continue
-                if ended and not self._claimed_by_others(names, host, family):
+                if ended and not self._claimed_by_others(claims, host, family):
                     return
                 time.sleep(self.poll_interval)
                 continue
@@ -191,32 +216,44 @@ class DirectorySource:
                     os.rename(src, src + tag)  # atomic: exactly one consumer wins each file
                 except FileNotFoundError:
                     continue
+                except OSError as exc:  # e.g. a name too long to take the claim's suffix
+                    self._refuse(name, f"it cannot be claimed ({errno.errorcode.get(exc.errno, exc.errno)})")
+                    continue
                 yield src + tag, FileStorage(src + tag)
 
-    def _reclaim_dead(self, names: list[str], host: str) -> int:
+    def _claims(self, names: list[str]) -> list[tuple[str, str, str, str, int]]:
+        """The valid claims among ``names``: (name, original name, host, family, pid); the others are refused."""
+        out = []
+        for name in names:
+            if CLAIM not in name:
+                continue
+            claim = _parse_claim(name)
+            if claim is None:
+                self._refuse(name, "its claim is not NAME.claimed-HOST-TRAINER-PID with pids in range")
+            else:
+                out.append((name, *claim))
+        return out
+
+    def _reclaim_dead(self, claims: list, host: str) -> int:
         """Rename back the claims of trainers on this host that died; returns how many.
 
         A claim's worker may be gone while its trainer lives: the trainer gives it back (or
         acknowledges it) itself.
         """
         n = 0
-        for name in names:
-            claim = _parse_claim(name)
-            if claim is None or claim[1] != host or trainer_alive(claim[2], claim[3]):
+        for name, original, claim_host, family, pid in claims:
+            if claim_host != host or trainer_alive(family, pid):
                 continue
             try:
-                os.rename(os.path.join(self.path, name), os.path.join(self.path, claim[0]))
+                os.rename(os.path.join(self.path, name), os.path.join(self.path, original))
                 n += 1
             except FileNotFoundError:
                 pass
         return n
 
-    def _claimed_by_others(self, names: list[str], host: str, family: str) -> bool:
-        for name in names:
-            claim = _parse_claim(name)
-            if claim is not None and claim[2] != family and (claim[1] != host or trainer_alive(claim[2], claim[3])):
-                return True
-        return False
+    def _claimed_by_others(self, claims: list, host: str, family: str) -> bool:
+        return any(claim_family != family and (claim_host != host or trainer_alive(claim_family, pid))
+                   for _, _, claim_host, claim_family, pid in claims)
 
     def ack(self, tokens: list) -> None:
         for path in tokens:
@@ -246,15 +283,23 @@ class DirectorySource:
 CLAIM = ".claimed-"
 
 
+_CLAIM_TAIL = re.compile(r"(.+)-([0-9]{1,7})-([0-9]{1,7})")  # HOST (may hold dashes)-FAMILY-PID
+
+
 def _parse_claim(name: str) -> tuple[str, str, str, int] | None:
-    """``NAME.claimed-HOST-FAMILY-PID`` -> (NAME, HOST, FAMILY, PID), or None."""
+    """``NAME.claimed-HOST-FAMILY-PID`` -> (NAME, HOST, FAMILY, PID), or None (not a valid claim).
+
+    FAMILY (the trainer's pid) and PID are ASCII digits within the kernel's pid range."""
     if CLAIM not in name:
         return None
     original, rest = name.rsplit(CLAIM, 1)
-    parts = rest.rsplit("-", 2)
-    if len(parts) != 3 or not parts[2].isdigit():
+    match = _CLAIM_TAIL.fullmatch(rest)
+    if not original or match is None:
         return None
-    return original, parts[0], parts[1], int(parts[2])
+    pid = parse_pid(match[3])
+    if parse_pid(match[2]) is None or pid is None:
+        return None
+    return original, match[1], match[2], pid
 
 
 def end_directory_stream(path: str | os.PathLike) -> None:
@@ -267,16 +312,17 @@ def end_directory_stream(path: str | os.PathLike) -> None:
         pass
 
 
-def as_source(source: Any):
+def as_source(source: Any, trusted_roots: Any = None):
+    """The source behind ``source``; ``trusted_roots`` are added to a network source's own."""
     if isinstance(source, (ListSource, QueueSource, DirectorySource, PrefixSource)):
         return source
     import sys
 
     redis_queue = sys.modules.get(f"{__package__}.redis_queue")  # imported only by its users: redis is heavy
     if redis_queue is not None and isinstance(source, redis_queue.RedisSource):
-        return source
+        return source.queue.as_source(trusted_roots) if trusted_roots else source
     if redis_queue is not None and isinstance(source, redis_queue.RedisStorageQueue):
-        return source.as_source()
+        return source.as_source(trusted_roots)
     if isinstance(source, (StorageQueue, _queue.Queue, multiprocessing.queues.Queue)):
         return QueueSource(source)
     if isinstance(source, (str, os.PathLike)):

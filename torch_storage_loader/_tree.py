@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from ._format import TORCH_ITEMSIZE, Header, ReadOptions
-from .errors import PickleNotAllowedError, StorageCorruptError, UnsupportedLeafError
+from ._limits import INLINE_INT_BOUND, MAX_TREE_DEPTH
+from .errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
 
 _LITTLE = np.little_endian
 
-__all__ = ["Leaf", "Plan", "build", "decode", "encode", "format_path", "plan_for", "to_tensors"]
+__all__ = ["Leaf", "Plan", "build", "encode", "format_path", "plan_for", "to_tensors"]
 
 # numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
 _NUMPY_KINDS = frozenset("biufcmMUS")
@@ -94,12 +95,15 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
     return Leaf("torch", name, tuple(t.shape), data)
 
 
+_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple)
+
+
 def _keys(mapping, path: tuple) -> list:
     keys = []
     for k in mapping:
         if type(k) is str:
             keys.append(k)
-        elif type(k) is int:
+        elif type(k) is int and -INLINE_INT_BOUND < k < INLINE_INT_BOUND:
             keys.append(["int", k])
         else:
             raise UnsupportedLeafError(
@@ -124,6 +128,11 @@ class _Encoder:
 
     def walk(self, x: Any, path: tuple) -> list:
         tx = type(x)
+        if len(path) >= MAX_TREE_DEPTH and (tx in _CONTAINER_TYPES or tx in self.tree_types):
+            raise UnsupportedLeafError(
+                f"the sample nests containers over {MAX_TREE_DEPTH} levels deep at {format_path(path[:3])}...; "
+                "readers refuse deeper trees (is it a cycle?): flatten it, or store the inner part as bytes",
+                key_path=format_path(path))
         if tx is dict or tx is collections.OrderedDict:
             return ["d" if tx is dict else "od", _keys(x, path),
                     [self.walk(v, path + (k,)) for k, v in x.items()]]
@@ -143,6 +152,10 @@ class _Encoder:
         if tx is bool:
             return ["b", x]
         if tx is int:
+            if not -INLINE_INT_BOUND < x < INLINE_INT_BOUND:
+                raise UnsupportedLeafError(
+                    f"int at {format_path(path)} is over 10**30 in magnitude, more than readers accept inline; "
+                    "store it as a str (or pass allow_pickle=True)", key_path=format_path(path))
             return ["i", x]
         if tx is float:
             return ["f", x.hex()]
@@ -172,49 +185,6 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
 
 def _key(k):
     return k[1] if type(k) is list else k
-
-
-class _Decoder:
-    def __init__(self, make_leaf: Callable[[int], Any], as_tensors: bool = False) -> None:
-        self.make_leaf = make_leaf
-        self.as_tensors = as_tensors
-
-    def walk(self, node: list) -> Any:
-        tag = node[0]
-        if tag == "a":
-            return self.make_leaf(node[1])
-        if tag == "d":
-            return {_key(k): self.walk(v) for k, v in zip(node[1], node[2])}
-        if tag == "l":
-            return [self.walk(v) for v in node[1]]
-        if tag == "t":
-            return tuple(self.walk(v) for v in node[1])
-        if tag == "n":
-            return None
-        if tag in ("b", "i", "s"):
-            return node[1]
-        if tag == "f":
-            return float.fromhex(node[1])
-        if tag == "c":
-            return complex(float.fromhex(node[1]), float.fromhex(node[2]))
-        if tag == "v":  # one inline scalar per sample of a stacked batch
-            values = [self.walk(v) for v in node[1]]
-            kinds = {type(v) for v in values}
-            if self.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
-                return torch.tensor(values)
-            return values
-        if tag == "od":
-            return collections.OrderedDict((_key(k), self.walk(v)) for k, v in zip(node[1], node[2]))
-        if tag in ("tt", "tn"):
-            want = "tt" if self.as_tensors else tag
-            tree_type = next(t for t, name in _treetensor_types().items() if name == want)
-            return tree_type({k: self.walk(v) for k, v in zip(node[1], node[2])})
-        raise ValueError(f"unknown tree node tag {tag!r}")
-
-
-def decode(spec: list, make_leaf: Callable[[int], Any]) -> Any:
-    """Rebuild the object of ``spec``; ``make_leaf(i)`` returns array leaf ``i``."""
-    return _Decoder(make_leaf).walk(spec)
 
 
 @functools.lru_cache(maxsize=256)
@@ -258,8 +228,8 @@ class Plan:
         try:
             self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
             self.tree = self._node(header.spec)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - headers are validated where read; this is a backstop
+            self.error = type(exc).__name__
 
     def _leaf(self, i: int, kind: str, dtype_str: str, shape: tuple, offset: int, nbytes: int) -> tuple:
         shape, end = tuple(shape), offset + nbytes
@@ -285,7 +255,7 @@ class Plan:
         if tag == "a":
             i = node[1]
             if type(i) is not int or not 0 <= i < len(self.leaves):
-                raise IndexError(f"leaf {i!r} out of range")
+                raise IndexError("array leaf out of range")
             return i  # a leaf: an index into the sample's leaves
         if tag == "d" or tag == "od":
             keys = tuple(_key(k) for k in node[1])
@@ -308,10 +278,21 @@ class Plan:
         if tag == "v":  # one inline scalar per sample of a stacked batch
             return _N_VALUES, tuple(self._node(v) for v in node[1])
         if tag in ("tt", "tn"):
-            want = "tt" if self.opts.as_tensors else tag
+            children = tuple(self._node(v) for v in node[2])
+            want = "tt" if self.opts.as_tensors and self._all_tensors(children) else tag
             tree_type = next(t for t, name in _treetensor_types().items() if name == want)
-            return _N_TREE, tree_type, tuple(node[1]), tuple(self._node(v) for v in node[2])
-        raise ValueError(f"unknown tree node tag {tag!r}")
+            return _N_TREE, tree_type, tuple(node[1]), children
+        raise ValueError("unknown tree node tag")
+
+    def _all_tensors(self, children: tuple) -> bool:
+        """Whether a tree's leaves all become tensors (a numpy tree of strings stays a numpy tree)."""
+        for c in children:
+            if type(c) is int:
+                if self.leaves[c][0] not in (_L_TENSOR, _L_TORCH, _L_TORCH_EMPTY):
+                    return False
+            elif not self._all_tensors(c[3]):
+                return False
+        return True
 
     def build(self, u8: np.ndarray, path: str = "") -> Any:
         """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it)."""
@@ -333,8 +314,10 @@ class Plan:
             if tree[0] == _N_DICT_OF_LEAVES:
                 return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
             return self._walk(tree, leaves)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
+            raise _damaged(path, type(exc).__name__) from None
 
     def _other_leaf(self, u8: np.ndarray, code: int, start: int, end: int, a: Any, shape: tuple, path: str) -> Any:
         raw = u8[start:end]
@@ -389,21 +372,30 @@ def _damaged(path: str, why: str) -> StorageCorruptError:
 
 _plans: dict[bytes, Plan] = {}
 _MAX_PLANS = 256
+_MAX_PLAN_KEY = 256 << 10  # larger headers are decoded each time, never kept
+_MAX_PLAN_BYTES = 16 << 20  # all cached keys together
+_plan_bytes = 0
 
 
 def plan_for(key: bytes) -> Plan:
     """The plan of a ``_slots.plan_key``: decoded once per distinct header (and options) in this process.
 
     Keyed by the key's bytes themselves, so nothing depends on which worker, ring or process
-    sent it; at most ``_MAX_PLANS`` are kept (all are dropped when full: headers that keep
+    sent it. The cache is bounded by count (``_MAX_PLANS``) and by size (``_MAX_PLAN_BYTES`` of keys;
+    a header over ``_MAX_PLAN_KEY`` is never kept): when full, all are dropped (headers that keep
     changing cost what they cost without a cache).
     """
+    global _plan_bytes
     plan = _plans.get(key)
     if plan is None:
         plan = Plan(*pickle.loads(key))
-        if len(_plans) >= _MAX_PLANS:
+        if len(key) > _MAX_PLAN_KEY:
+            return plan
+        if len(_plans) >= _MAX_PLANS or _plan_bytes + len(key) > _MAX_PLAN_BYTES:
             _plans.clear()
+            _plan_bytes = 0
         _plans[key] = plan
+        _plan_bytes += len(key)
     return plan
 
 

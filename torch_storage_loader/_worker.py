@@ -46,7 +46,6 @@ class SlotFiller:
         self._layout: _Layout | None = None  # the last file's layout: the next is read as if it had it
         self._batches: dict[int, tuple[Header, bool]] = {}  # batch size -> stacked header, and whether
         # its spec is that of samples with the layout's header exactly (no inline values that vary)
-        self._headers: dict[bytes, Header] = {}
         self._misses = self._skip = 0
 
     # ------------------------------------------------------------------------- single samples
@@ -62,6 +61,7 @@ class SlotFiller:
     def _fill_remote(self, storage: ObjectStorage, opts: ReadOptions) -> tuple[FillInfo, Any]:
         # Ranged reads land in the slot: the client's buffers are the only copy on the way.
         header, head = _objects.read_header(storage.path, storage.size, storage.version)
+        _format.check_readable(header, opts, storage.path)
         lease = self.alloc.lease(header.data_size, storage.path, opts)
         try:
             _objects.read_into(storage.path, lease.view, header.data_offset, storage.version, head)
@@ -78,8 +78,10 @@ class SlotFiller:
                 lease = self.alloc.lease(layout.header.data_size, path, opts)
                 header = self._read_as(layout, fd, [lease.view], path, lease)
                 if header is not None:
+                    _check(header, opts, path, lease)
                     return lease.info, lease.commit(header)
             header = _format.read_header(fd, path)
+            _format.check_readable(header, opts, path)
             lease = self.alloc.lease(header.data_size, path, opts)
             _read(fd, [lease.view], header.data_offset, path, lease)
             self._layout = _Layout.of(fd, header)
@@ -135,21 +137,18 @@ class SlotFiller:
             self._head_buf = memoryview(bytearray(max(n, 2 * len(self._head_buf))))
         return self._head_buf[:n]
 
-    def _parse(self, head: memoryview, path: str, file_size: int) -> Header | None:
-        """The header in ``head`` if it is whole and valid for a file of ``file_size`` bytes, else None."""
-        key = bytes(head)
-        header = self._headers.get(key)
-        if header is None:
-            try:
-                header, _ = _format.parse_header(key, path, file_size)
-            except StorageCorruptError:
-                return None  # read again the long way, which raises it with the whole file in view
-            if header is None or header.data_offset != len(key):
-                return None
-            if len(self._headers) >= _MAX_HEADERS:
-                self._headers.clear()
-            self._headers[key] = header
-        return header if header.file_size == file_size else None
+    @staticmethod
+    def _parse(head: memoryview, path: str, file_size: int) -> Header | None:
+        """The header in ``head`` if it is whole and valid for a file of ``file_size`` bytes, else None.
+
+        ``parse_header`` keeps the headers it parsed by their text: a repeated one costs a lookup."""
+        try:
+            header, _ = _format.parse_header(head, path, file_size)
+        except StorageCorruptError:
+            return None  # read again the long way, which raises it with the whole file in view
+        if header is None or header.data_offset != len(head):
+            return None
+        return header
 
     def fill_object(self, obj: Any, *, opts: ReadOptions, path: str) -> tuple[FillInfo, Any]:
         """Copy an in-memory sample into a slot (Storage types that are not files, collated batches)."""
@@ -159,8 +158,12 @@ class SlotFiller:
         arrays, size = _format.layout(leaves)
         header = Header(spec, arrays, 0, size)
         lease = self.alloc.lease(size, path, opts)
-        for leaf, e in zip(leaves, arrays):
-            lease.view[e.offset: e.offset + e.nbytes] = leaf.data
+        try:
+            for leaf, e in zip(leaves, arrays):
+                lease.view[e.offset: e.offset + e.nbytes] = leaf.data
+        except BaseException:
+            lease.abort()
+            raise
         return lease.info, lease.commit(header)
 
     # -------------------------------------------------------------------------------- batches
@@ -177,10 +180,12 @@ class SlotFiller:
                     return done
                 names = [repr(s) for s in storages]
                 headers = [_format.read_header(fd, s.path) for fd, s in zip(fds, storages)]
+                for h, s in zip(headers, storages):
+                    _format.check_readable(h, opts, s.path)
                 batch = plan(headers, names)
                 lease = self.alloc.lease(batch.data_size, names[0], opts)
                 for j, (fd, h, s) in enumerate(zip(fds, headers, storages)):
-                    _read(fd, file_iovecs(h, batch, j, lease.view, self._scratch), h.data_offset, s.path, lease)
+                    _read(fd, _iovecs(h, batch, j, lease, self._scratch), h.data_offset, s.path, lease)
                 first = headers[0]
                 if all(h.arrays == first.arrays and h.data_offset == first.data_offset for h in headers):
                     self._layout = _Layout.of(fds[0], first)
@@ -218,6 +223,7 @@ class SlotFiller:
             header = self._read_as(layout, fd, views, s.path, lease, layout.header.arrays)  # gives the lease back if not
             if header is None:
                 return None
+            _check(header, opts, s.path, lease)
             headers.append(header)
         if not exact or any(h is not layout.header for h in headers):  # inline values differ: the spec too
             batch = plan(headers, [repr(s) for s in storages])
@@ -233,10 +239,14 @@ class SlotFiller:
             headers.append(Header(spec, arrays, 0, size))
         batch = plan(headers, names)
         lease = self.alloc.lease(batch.data_size, names[0], opts)
-        for j, (_, leaves) in enumerate(encoded):
-            for leaf, b in zip(leaves, batch.arrays):
-                start = b.offset + j * leaf.nbytes
-                lease.view[start: start + leaf.nbytes] = leaf.data
+        try:
+            for j, (_, leaves) in enumerate(encoded):
+                for leaf, b in zip(leaves, batch.arrays):
+                    start = b.offset + j * leaf.nbytes
+                    lease.view[start: start + leaf.nbytes] = leaf.data
+        except BaseException:
+            lease.abort()
+            raise
         return lease.info, lease.commit(batch)
 
     def materialize_here(self, payload: Any) -> Any:
@@ -281,7 +291,6 @@ def _release_here(ring, slot: int, generation: int, pid: int) -> None:
 
 _MAX_MISSES = 4  # files in a row whose layout was not the last one's: stop guessing ...
 _SKIP_AFTER_MISSES = 64  # ... for this many reads
-_MAX_HEADERS = 64  # validated headers kept by their bytes
 
 
 class _Layout:
@@ -308,6 +317,24 @@ def _read(fd: int, views: list, offset: int, path: str, lease: Lease) -> None:
     finally:
         for v in views:
             v.release()
+
+
+def _iovecs(sample: Header, batch: Header, j: int, lease: Lease, scratch: memoryview) -> list:
+    """``file_iovecs`` into ``lease``, which is given back if they cannot be made."""
+    try:
+        return file_iovecs(sample, batch, j, lease.view, scratch)
+    except BaseException:
+        lease.abort()
+        raise
+
+
+def _check(header: Header, opts: ReadOptions, path: str, lease: Lease) -> None:
+    """``check_readable`` for a file already read into ``lease``, which is given back if it is refused."""
+    try:
+        _format.check_readable(header, opts, path)
+    except BaseException:
+        lease.abort()
+        raise
 
 
 def _is_plain_file(storage: Storage) -> bool:

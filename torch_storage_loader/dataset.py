@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
-from . import _delivery, _device, _objects
+from . import _delivery, _device, _objects, _trust
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._shm import default_shm_budget
@@ -35,14 +35,22 @@ _stats: dict[str, collections.Counter] = collections.defaultdict(collections.Cou
 _stats_lock = threading.Lock()
 
 
+def _renew_lock_in_child() -> None:
+    global _stats_lock
+    _stats_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_renew_lock_in_child)
+
+
 _COUNTER_OF = {"slot": "slot_loads", "fallback": "fallbacks", "oversize": "oversize"}
 
 
-def _record(uid: str, info: FillInfo, skipped: int) -> None:
-    _count(uid, info.via, info.nbytes, info.regrew, info.copied, skipped)
+def _record(uid: str, info: FillInfo, skipped: int, refused: int = 0) -> None:
+    _count(uid, info.via, info.nbytes, info.regrew, info.copied, skipped, refused)
 
 
-def _count(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int) -> None:
+def _count(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, refused: int = 0) -> None:
     with _stats_lock:
         c = _stats[uid]
         c["loads"] += 1
@@ -54,29 +62,36 @@ def _count(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped:
             c["copies"] += 1
         if skipped:
             c["skipped"] += skipped
+        if refused:
+            c["refused"] += refused
 
 
-_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "oversize", "copies", "local_loads", "regrows", "skipped")
+_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "oversize", "copies", "local_loads", "regrows", "skipped",
+              "refused")
 
 
 class _Delivery:
     """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
 
-    __slots__ = ("uid", "info", "skipped", "payload", "filler")
+    __slots__ = ("uid", "info", "skipped", "refused", "payload", "filler")
 
-    def __init__(self, uid: str, info: FillInfo, skipped: int, payload: Any, filler: SlotFiller) -> None:
-        self.uid, self.info, self.skipped, self.payload, self.filler = uid, info, skipped, payload, filler
+    def __init__(self, uid: str | None, info: FillInfo, skipped: int, refused: int, payload: Any,
+                 filler: SlotFiller) -> None:
+        self.uid, self.info, self.skipped, self.refused = uid, info, skipped, refused
+        self.payload, self.filler = payload, filler
 
     def __reduce__(self):
         # The payload is unpickled first (it is an argument), then _receive counts it; the stats
         # travel as plain values, cheaper to unpickle than a FillInfo.
         info = self.info
-        return _receive, (self.uid, info.via, info.nbytes, info.regrew, info.copied, self.skipped, self.payload)
+        return _receive, (self.uid, info.via, info.nbytes, info.regrew, info.copied, self.skipped, self.payload,
+                          self.refused)
 
 
-def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any) -> Any:
+def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any,
+             refused: int = 0) -> Any:
     if uid is not None:
-        _count(uid, via, nbytes, regrew, copied, skipped)
+        _count(uid, via, nbytes, regrew, copied, skipped, refused)
     return sample
 
 
@@ -90,7 +105,7 @@ def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
     if opts.device is None:
         return collated
     info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
-    return _Delivery(None, info, 0, payload, first.filler)  # its samples are not counted, as without device=
+    return _Delivery(None, info, 0, 0, payload, first.filler)  # its samples are not counted, as without device=
 
 
 # The extension point torch documents for default_collate: a collate function per element type.
@@ -110,9 +125,16 @@ class StorageDataset(IterableDataset):
     ``source`` is a finite iterable of ``Storage`` handles (each delivered once per epoch, split
     across DataLoader workers and distributed ranks), a ``StorageQueue``, a ``queue.Queue`` or
     multiprocessing queue ending at ``None``, or a directory (or object-store prefix, such as
-    ``s3://bucket/prefix``) a ``FileStorageLoader`` writes into. ``storage_options`` (given to
-    fsspec as they are) are for the object stores the handles, or that prefix, live in; they
-    reach the DataLoader workers, as does ``configure_object_store``'s configuration.
+    ``s3://bucket/prefix``) a ``FileStorageLoader`` writes into, or a ``RedisStorageQueue``.
+
+    ``trusted_roots`` (absolute directories and ``proto://bucket/prefix`` URLs) add to a network
+    source's own (``RedisStorageQueue(trusted_roots=...)``): handles read from the network load only
+    if they name a file or object under one of them; with none, every such handle is refused and
+    counted (``stats()["refused"]``, which also counts refused claims of directory and prefix
+    sources). ``storage_options`` (given to fsspec as they are) apply to the buckets this dataset
+    names: that prefix's, its handles' (a list), and those of the object-store roots it trusts; never
+    to other buckets a handle might name. They reach the DataLoader workers, as does
+    ``configure_object_store``'s configuration.
 
     Finite sources work like ``DistributedSampler``: ``shuffle=True`` draws a permutation of
     ``(seed, epoch)``, the same on every rank; every rank yields the same number of items
@@ -142,7 +164,7 @@ class StorageDataset(IterableDataset):
                  collate_fn: Callable[[list[Any]], Any] | None = None, slots_per_worker: int = 4,
                  max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
                  shuffle: bool = False, seed: int = 0, storage_options: dict | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 trusted_roots: list[str] | None = None, device: str | torch.device | None = None) -> None:
         super().__init__()
         _delivery.install()  # again: torchdata's StatefulDataLoader may have been imported since
         if not isinstance(shuffle, bool):
@@ -164,10 +186,12 @@ class StorageDataset(IterableDataset):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
         self.device = _device.normalize(device)  # None, or a device this process copies samples to
-        if storage_options is not None:  # for the handles' object stores, or the prefix this streams from
-            _objects.configure_object_store(os.fspath(source) if _objects.is_url(source) else "*", storage_options)
+        roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
+        self.source = as_source(source, roots)
+        if storage_options is not None:
+            for bucket in self._buckets(roots):
+                _objects.configure_object_store(bucket, storage_options)
         self._object_stores = _objects.snapshot()  # reaches the DataLoader workers with the dataset
-        self.source = as_source(source)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn
@@ -191,11 +215,29 @@ class StorageDataset(IterableDataset):
         self._epochs = torch.zeros(_AUTO_BASE + _auto_slot(_MAX_TRACKED_WORKERS, _MAX_TRACKED_WORKERS - 1) + 1,
                                    dtype=torch.int64).share_memory_() if self.source.finite else None
         self._skipped = 0
+        self._refused_sent = 0  # of the source's refusals in this process, those counted already
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
         self._materialize = False  # set per iteration: see _fetch_context
         self._ledger: tuple[str, list] | None = None  # (id, a pipe per worker) while a DataLoader starts workers
         self._writer: _delivery.LedgerWriter | None = None  # this worker's end of it
+
+    def _buckets(self, roots: _trust.Roots) -> list[str]:
+        """The buckets (``proto://bucket``) ``storage_options`` are for; ValueError when there are none."""
+        src = self.source
+        found = [_trust.roots([src.path]) if _objects.is_url(getattr(src, "path", None)) else _trust.Roots(), roots]
+        queue = getattr(src, "queue", None)
+        found.append(getattr(queue, "_roots", _trust.Roots()))
+        buckets = _trust.object_roots(found)
+        if isinstance(src, ListSource):
+            buckets += [_objects._root(h.path) for h in src.handles if _objects.is_url(h.path)]
+        buckets = list(dict.fromkeys(buckets))
+        if not buckets:
+            raise ValueError(
+                "storage_options= apply to the buckets this dataset names (an s3://bucket/prefix source, object "
+                "handles in a list, or trusted_roots=['s3://bucket/prefix']), and this one names none; pass "
+                "trusted_roots=, or call configure_object_store('s3://bucket', options) for each bucket")
+        return buckets
 
     # -------------------------------------------------------------------------- the protocol
     def _own(self) -> None:
@@ -215,6 +257,7 @@ class StorageDataset(IterableDataset):
         self._own()
         state = self.__dict__.copy()
         state["_filler"], state["_filler_pid"], state["_writer"] = None, 0, None
+        state["_refused_sent"] = 0  # a source unpickles with no refusals of its own yet
         state["_object_stores"] = {**self._object_stores, **_objects.snapshot()}  # as configured now
         if state["_dist"] is None:
             state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
@@ -271,7 +314,17 @@ class StorageDataset(IterableDataset):
             padded = self.source.padded(rank, world, self.drop_last)
         with _stats_lock:
             c = _stats[self._uid]
-            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped, "padded": padded}
+            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped, "padded": padded,
+                                                    "refused": c["refused"] + self._unsent_refusals()}
+
+    def _unsent_refusals(self) -> int:
+        """Refusals of this process's source not yet counted (they travel with the next sample)."""
+        return getattr(self.source, "refused", 0) - self._refused_sent
+
+    def _take_refusals(self) -> int:
+        refused = self._unsent_refusals()
+        self._refused_sent += refused
+        return refused
 
     # --------------------------------------------------------------------------- iteration
     def _next_epoch(self, num_workers: int, wid: int) -> tuple[int, int]:
@@ -416,8 +469,8 @@ class StorageDataset(IterableDataset):
         if in_worker and self._materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if in_worker:
-            return _Delivery(self._uid, info, skipped, payload, filler)
-        _record(self._uid, info, skipped)
+            return _Delivery(self._uid, info, skipped, self._take_refusals(), payload, filler)
+        _record(self._uid, info, skipped, self._take_refusals())
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy
         return payload

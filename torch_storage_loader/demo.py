@@ -150,7 +150,7 @@ def _close_when_done(queue, collectors: list) -> None:
     queue.close()
 
 
-def _queue_for(args: argparse.Namespace):
+def _queue_for(args: argparse.Namespace, workdir: str):
     if not args.redis:
         return StorageQueue()
     import uuid
@@ -158,7 +158,8 @@ def _queue_for(args: argparse.Namespace):
     from .redis_queue import RedisStorageQueue
 
     print("handing trajectories over through Redis Streams")
-    return RedisStorageQueue(args.redis, f"tsl-demo-{uuid.uuid4().hex[:12]}")
+    # The trainer loads handles from the stream only under the directory its collectors write into.
+    return RedisStorageQueue(args.redis, f"tsl-demo-{uuid.uuid4().hex[:12]}", trusted_roots=[workdir])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     needed = args.train_steps * args.batch_size
     with tempfile.TemporaryDirectory(prefix="tsl-demo-") as workdir:
-        queue = _queue_for(args)
+        queue = _queue_for(args, workdir)
         collectors = [ctx.Process(target=collect, args=(queue, os.path.join(workdir, f"collector{c}"), c,
                                                         args.trajectories, args.steps, args.size), daemon=True)
                       for c in range(args.collectors)]

@@ -27,6 +27,7 @@ __all__ = [
     "StorageUnavailableError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
+    "UntrustedStorageError",
     "WorkerDiedError",
 ]
 
@@ -142,6 +143,8 @@ class PinRefused(Exception):
 
 class PinThreadUnavailable(RuntimeError):
     """Internal: this torch's DataLoader does not start or use its pin-memory thread as ``device=`` relies on."""
+
+
 class RedisStreamLostError(StorageError, RuntimeError):
     """A Redis stream this process was using vanished: its identity (epoch) key, its stream or its
     consumer group is gone or was made anew (Redis restarted without persistence, a failover lost
@@ -152,3 +155,9 @@ class RedisStreamLostError(StorageError, RuntimeError):
 class RedisStreamLayoutError(StorageError, ValueError):
     """A Redis key that a ``RedisStorageQueue`` would use as its stream exists but was not made by
     this version of the queue (an older key layout, or something else's key). ``stream`` names it."""
+
+
+class UntrustedStorageError(StorageError, PermissionError):
+    """A handle or file this consumer refuses to touch: a network handle naming a path or bucket
+    outside its ``trusted_roots``, or a file that is a symbolic link or not a regular file (a FIFO,
+    a device, a directory). ``path`` names it."""

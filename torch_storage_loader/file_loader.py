@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 from . import _clean, _objects
+from .errors import StorageError
 from .loader import StorageLoader
 from .storage import FileStorage, ObjectStorage, Storage
 
@@ -22,6 +23,7 @@ __all__ = ["FileStorageLoader", "new_file_name"]
 _log = logging.getLogger(__name__)
 
 SUFFIX = ".tsl"
+SHUTDOWN_S = 10.0  # at most this long for shutdown's own clean-up (joining the cleaner, deleting objects)
 
 
 def new_file_name() -> str:
@@ -122,18 +124,28 @@ class FileStorageLoader(StorageLoader):
         super().shutdown(timeout)
         with self._files_lock:
             cleaner, self._cleaner = self._cleaner, None
-            self._cleaner_stop.set()
+            self._cleaner_stop.set()  # also cuts short the cleaner's retries of a store that is down
+        bound = SHUTDOWN_S if timeout is None else min(SHUTDOWN_S, max(timeout, 0.1))
         if cleaner is not None:
-            cleaner.join()
-        if self.remove_on_shutdown:
-            with self._files_lock:
-                for key in [k for k in self._files if not self._busy[k]]:
-                    _clean.remove(self._files.pop(key)[2])
-        else:
-            self._clean_own()
-            with self._files_lock:
-                for key in [k for k in self._files if not self._busy[k]]:
-                    del self._files[key]
+            cleaner.join(bound)
+            if cleaner.is_alive():
+                _log.warning("the TTL cleaner of %s did not stop within %g s; it is left to finish alone",
+                             self.dirname, bound)
+        # Object stores may be down: deletions give up after ``bound`` (others, or `clean`, delete them later).
+        with _objects.bounded(seconds=bound):
+            try:
+                if self.remove_on_shutdown:
+                    with self._files_lock:
+                        doomed = [self._files.pop(key)[2] for key in [k for k in self._files if not self._busy[k]]]
+                    for path in doomed:
+                        _clean.remove(path)
+                else:
+                    self._clean_own()
+            except StorageError as exc:
+                _log.warning("shutdown left expired files of %s for a later clean-up: %s", self.dirname, exc)
+        with self._files_lock:
+            for key in [k for k in self._files if not self._busy[k]]:
+                del self._files[key]
 
     def clean_expired(self) -> int:
         """Delete expired files now (the cleaner thread calls this); returns how many went."""
@@ -172,19 +184,18 @@ class FileStorageLoader(StorageLoader):
             return 0
         cutoff = time.monotonic() - self.ttl
         doomed = []
-        with self._files_lock:  # local files go under the lock: a load cannot pin a file being deleted
+        with self._files_lock:  # decided under the lock: a load queued before this cannot lose its file
             for key, (saved_at, loaded, path) in self._files.items():
                 if saved_at > cutoff:
                     break
                 if not self._busy[key]:
                     doomed.append((key, loaded, path))
-            for key, _, path in doomed:
+            for key, _, _ in doomed:
                 del self._files[key]
-                if not self.remote:
-                    _clean.remove(path)
-        if self.remote:  # requests that may be retried for long: never under the lock saves and loads need
-            for _, _, path in doomed:
-                _clean.remove(path)
+        # Deleted outside it (an unlink on a slow NFS, a request retried for long): saves and loads go on.
+        # A load queued meanwhile names a file that had expired: it fails as if it came a moment later.
+        for _, _, path in doomed:
+            _clean.remove(path)
         if doomed:
             with self._lock:
                 self._counts["expired"] += len(doomed)
@@ -199,20 +210,15 @@ class FileStorageLoader(StorageLoader):
             return 0
         with _loaders_lock:
             loaders = sorted(_loaders, key=id)
-        removed = 0
         doomed = []
         with contextlib.ExitStack() as stack:
             for loader in loaders:  # always in the same order: no deadlock between two scans
                 stack.enter_context(loader._files_lock)
             for path in paths:
                 key = _key(path)
-                if any(key in loader._files or loader._busy[key] for loader in loaders):
-                    continue
-                if self.remote:
+                if not any(key in loader._files or loader._busy[key] for loader in loaders):
                     doomed.append(path)
-                else:
-                    removed += _clean.remove(path)
-        removed += sum(_clean.remove(path) for path in doomed)  # object stores: outside the locks
+        removed = sum(_clean.remove(path) for path in doomed)  # outside every loader's lock
         if removed:
             with self._lock:
                 self._counts["expired"] += removed
@@ -225,12 +231,14 @@ class FileStorageLoader(StorageLoader):
         while not stop.wait(period):
             tick += 1
             try:
-                if tick % scan_every:
-                    self._clean_own()
-                else:
-                    self.clean_expired()
+                with _objects.bounded(stop=stop):  # shutdown() stops retries of a store that is down
+                    if tick % scan_every:
+                        self._clean_own()
+                    else:
+                        self.clean_expired()
             except Exception as exc:  # e.g. an object store out of reach: try again at the next tick
-                _log.warning("TTL clean-up of %s failed, will retry: %s", self.dirname, exc)
+                if not stop.is_set():
+                    _log.warning("TTL clean-up of %s failed, will retry: %s", self.dirname, exc)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's files are the parent's; never delete them from here."""

@@ -79,7 +79,8 @@ class StorageDataModule(pl.LightningDataModule):
     A finite source sizes Lightning's epochs (``len`` per rank, equal on every rank: see
     ``StorageDataset``); ``shuffle=True`` shuffles the train source with ``seed`` and the trainer's epoch.
     ``storage_options`` are for object-store handles or prefixes (see ``StorageDataset``); they are
-    kept out of the saved hyperparameters. ``device="cuda"``: batches reach the model already on the
+    kept out of the saved hyperparameters. ``trusted_roots``: where handles from a network source
+    may point (see ``StorageDataset``). ``device="cuda"``: batches reach the model already on the
     GPU (copied one batch ahead on a side stream, see ``StorageDataset``), so Lightning's own
     transfer has nothing left to do; ``pin_memory`` is then ignored.
     """
@@ -89,7 +90,8 @@ class StorageDataModule(pl.LightningDataModule):
                  pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
                  multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0,
-                 storage_options: dict | None = None, device: str | torch.device | None = None) -> None:
+                 storage_options: dict | None = None, trusted_roots: list[str] | None = None,
+                 device: str | torch.device | None = None) -> None:
         super().__init__()
         if num_workers < 0:
             raise ValueError(f"{num_workers=} must be >= 0")
@@ -100,6 +102,7 @@ class StorageDataModule(pl.LightningDataModule):
         # Credentials never reach hparams (logged, checkpointed).
         self.save_hyperparameters(ignore=["source", "val_source", "collate_fn", "storage_options"])
         self.storage_options = storage_options
+        self.trusted_roots = trusted_roots
         self.device = None if device is None else str(device)
         self.source = source
         self.val_source = val_source
@@ -135,7 +138,8 @@ class StorageDataModule(pl.LightningDataModule):
                               collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
                               max_rings_per_worker=self.max_rings_per_worker,
                               on_error=self.on_error, shuffle=shuffle, seed=self.seed,
-                              storage_options=self.storage_options, device=self.device)
+                              storage_options=self.storage_options, trusted_roots=self.trusted_roots,
+                              device=self.device)
 
     def _quiet_len_warning(self, on: bool) -> None:
         entry: Any = getattr(self, "_len_filter", None)

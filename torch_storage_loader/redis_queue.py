@@ -20,9 +20,9 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from . import _codec, _redis_conn
+from . import _codec, _limits, _redis_conn, _trust
 from .errors import (HandleRecordError, RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError,
-                     UnregisteredStorageTypeError)
+                     StorageError, UnregisteredStorageTypeError, UntrustedStorageError)
 from .queue import ProducerDiedError
 from .storage import Storage
 
@@ -31,7 +31,9 @@ __all__ = ["RedisSource", "RedisStorageQueue", "redact_url"]
 logger = logging.getLogger("torch_storage_loader")
 
 FIELD = "h"  # the one field of a stream entry: the handle's JSON record
-POLL_S = 0.25  # longest blocking read, so that close() and dead producers are noticed
+POLL_S = 0.25  # how often an idle consumer looks at close() and dead producers
+IDLE_POLL_S = (0.005, 0.05)  # an idle consumer asks for new entries this often (doubling from the first)
+REFUSED = "!"  # the field a read script puts in place of an entry it refused, with why
 TRIM_EVERY_S = 1.0
 MAX_OUTSTANDING = 65536
 LAYOUT = "2"  # the key layout, kept in the stream's meta hash
@@ -87,20 +89,41 @@ _CLOSE = _ALIVE + "return redis.call('HSET', KEYS[2], 'closed', '1')"
 
 _IS_CLOSED = _ALIVE + "return redis.call('HEXISTS', KEYS[2], 'closed')"
 
-# Delivery: read undelivered entries and count them, in one round trip (no BLOCK inside a script).
-_READ = _ALIVE + """
+# Entries are checked in Redis before they are sent: one that is not exactly one 'h' field of at
+# most `limit` bytes comes back as {'!', why}, so a huge entry never crosses the network.
+_BOUND = """
+local function bound(entries, limit)
+  for _, e in ipairs(entries) do
+    local f = e[2]
+    if type(f) == 'table' then
+      if #f ~= 2 or f[1] ~= '""" + FIELD + """' then
+        e[2] = {'""" + REFUSED + """', 'has ' .. math.floor(#f / 2) .. ' fields, not one """ + FIELD + """ field holding a handle record'}
+      elseif string.len(f[2]) > limit then
+        e[2] = {'""" + REFUSED + """', 'holds ' .. string.len(f[2]) .. ' bytes, over the ' .. limit .. ' of a handle record'}
+      end
+    end
+  end
+end
+"""
+
+# Delivery: read undelivered entries, count and bound them, in one round trip (no BLOCK inside a
+# script, and no blocking XREADGROUP outside one: it would hand entries over whole, unchecked).
+# ARGV[5]: the largest entry sent.
+_READ = _ALIVE + _BOUND + """
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
-if r then redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', #r[1][2]) end
+if r then
+  redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', #r[1][2])
+  bound(r[1][2], tonumber(ARGV[5]))
+end
 return r
 """
 
-# Count what a blocking read delivered (BLOCK cannot run in a script), checking the stream first.
-_COUNT = _ALIVE + "return redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', ARGV[3])"
-
 # Take over entries idle on any consumer for over ARGV[4] ms; forget consumers with nothing pending.
-_CLAIM = _ALIVE + """
+# ARGV[7]: the largest entry sent.
+_CLAIM = _ALIVE + _BOUND + """
 local g = ARGV[2] .. ':'
 local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 'COUNT', ARGV[6])
+bound(r[2], tonumber(ARGV[7]))
 local n, d = #r[2], 0
 for _, e in ipairs(r[2]) do
   if redis.call('SADD', KEYS[4], g .. e[1]) == 1 then d = d + 1 end
@@ -205,20 +228,53 @@ return -1
 """
 
 _SCRIPTS = {"ensure": _ENSURE, "put": _PUT, "close": _CLOSE, "is_closed": _IS_CLOSED, "read": _READ,
-            "count": _COUNT, "claim": _CLAIM, "ack": _ACK, "return": _RETURN, "trim": _TRIM, "beat": _BEAT,
+            "claim": _CLAIM, "ack": _ACK, "return": _RETURN, "trim": _TRIM, "beat": _BEAT,
             "dead": _DEAD, "retire": _RETIRE}
 
 
+# Query parameters redis-py takes that hold nothing secret; every other one's value is hidden.
+_PLAIN_QUERY = frozenset({"db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
+                          "max_connections", "health_check_interval", "timeout", "protocol", "client_name",
+                          "decode_responses", "ssl_cert_reqs", "ssl_check_hostname", "ssl_ca_certs", "ssl_certfile",
+                          "ssl_keyfile", "ssl_ca_path", "ssl_min_version", "ssl_ciphers"})
+
+
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``."""
+    """``url`` without its secrets: user and password (``***@host``; hosts as written, a Sentinel
+    URL lists several), and the value of every query parameter but plain settings such as ``db``
+    (``?password=***``, ``ssl_password=***``...)."""
     try:
         parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts as written (Sentinel URLs list several)
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}"))
     except ValueError:
         return "<unparsable redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = []
+    for item in parts.query.split("&") if parts.query else []:
+        key, eq, _ = item.partition("=")
+        plain = urllib.parse.unquote(key) in _PLAIN_QUERY
+        query.append(item if plain else f"{key}{eq}***" if eq else "***")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query="&".join(query),
+                                                  fragment="***" if parts.fragment else ""))
+
+
+def _secrets(url: str) -> list[str]:
+    """Every secret ``redact_url`` hides, as written in ``url`` and as redis-py decodes it, longest first."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return [url]
+    found = []
+    if "@" in parts.netloc:
+        found += parts.netloc.rsplit("@", 1)[0].split(":", 1)
+    for item in parts.query.split("&") if parts.query else []:
+        key, eq, value = item.partition("=")
+        if urllib.parse.unquote(key) not in _PLAIN_QUERY:
+            found.append(value if eq else key)
+    found.append(parts.fragment)
+    found += [urllib.parse.unquote(x) for x in found]
+    return sorted({x for x in found if x}, key=len, reverse=True)
 
 
 def _disconnect(close: Callable[[], None], pid: int) -> None:
@@ -264,9 +320,16 @@ class RedisStorageQueue:
     undelivered one (``XTRIM MINID``), so an undelivered or unacknowledged entry is never dropped,
     and memory holds only those. There is no length cap: a stream nobody reads grows.
 
+    Whoever can write to the stream is not trusted: each entry is checked in Redis before it is
+    sent (one ``h`` field of at most 64 KiB), then decoded as data with an exact schema (see
+    ``_codec``), and a ``FileStorage`` or ``ObjectStorage`` handle is delivered only if it names a
+    file under one of ``trusted_roots`` (absolute directories) or an object under one of them
+    (``s3://bucket/prefix``); with none given, every such handle is refused. A refused entry is
+    acknowledged and counted (``stats()["refused"]``), never delivered again.
+
     Connection loss is retried with back-off for ``retry_for`` seconds, then raises
-    ``RedisUnavailableError`` naming the URL without its password (``rediss://`` and passwords
-    come from the URL; they are never logged or shown). A ``put`` retried after a lost reply may
+    ``RedisUnavailableError`` naming the URL without its secrets (``rediss://``, users and passwords
+    come from the URL, in any form redis-py reads; they are never logged or shown). A ``put`` retried after a lost reply may
     append the handle twice. The queue pickles as its URL and options; each process connects on
     first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
     next call reconnects.
@@ -281,7 +344,8 @@ class RedisStorageQueue:
 
     def __init__(self, url: str, stream: str, *, group: str = "trainers", claim_after: float = 30.0,
                  producer_timeout: float = 10.0, retry_for: float = 5.0, prefetch: int = 1,
-                 allow_pickle: bool = False, cluster: bool = False, replicas: int = 0) -> None:
+                 allow_pickle: bool = False, trusted_roots: list[str] | None = None, cluster: bool = False,
+                 replicas: int = 0) -> None:
         _redis_conn.check(url, cluster, redact_url(str(url)))
         if not stream or not isinstance(stream, str):
             raise ValueError(f"{stream=} must be a non-empty string")
@@ -302,6 +366,9 @@ class RedisStorageQueue:
             raise TypeError(f"{cluster=} must be a bool")
         if not (isinstance(replicas, int) and replicas >= 0):
             raise ValueError(f"{replicas=} must be an int >= 0")
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"{allow_pickle=} must be a bool")
+        self._roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
         self._url, self.stream, self.group = url, stream, group
         self.claim_after, self.producer_timeout, self.retry_for = float(claim_after), float(producer_timeout), float(retry_for)
         self.prefetch, self.allow_pickle, self.cluster, self.replicas = prefetch, allow_pickle, cluster, replicas
@@ -332,8 +399,8 @@ class RedisStorageQueue:
     def __getstate__(self) -> dict:
         return {"url": self._url, "stream": self.stream, "group": self.group, "claim_after": self.claim_after,
                 "producer_timeout": self.producer_timeout, "retry_for": self.retry_for,
-                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle, "cluster": self.cluster,
-                "replicas": self.replicas, "epoch": self._epoch}
+                "prefetch": self.prefetch, "allow_pickle": self.allow_pickle, "trusted_roots": self._roots,
+                "cluster": self.cluster, "replicas": self.replicas, "epoch": self._epoch}
 
     def __setstate__(self, state: dict) -> None:
         url, stream, epoch = state.pop("url"), state.pop("stream"), state.pop("epoch", None)
@@ -347,8 +414,13 @@ class RedisStorageQueue:
 
     @property
     def url(self) -> str:
-        """The URL without its password."""
+        """The URL without its secrets (user, password, and any query parameter but plain settings)."""
         return redact_url(self._url)
+
+    @property
+    def trusted_roots(self) -> list[str]:
+        """The directories and ``proto://bucket/prefix`` roots handles read from this queue must lie under."""
+        return list(self._roots.dirs) + self._roots.urls()
 
     # -- connection and retries -----------------------------------------------------------------
 
@@ -358,11 +430,10 @@ class RedisStorageQueue:
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    block_ms = int(POLL_S * 1000)
                     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3) if self.cluster else Retry(NoBackoff(), 0)
                     connection = _redis_conn.connect(
                         self._url, cluster=self.cluster, shown=self.url, connect_timeout=2.0, retry=retry,
-                        socket_timeout=5.0 + block_ms / 1000 + (self.retry_for if self.replicas else 0.0))
+                        socket_timeout=5.0 + (self.retry_for if self.replicas else 0.0))
                     client = connection.client
                     self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
                     self._connection, self._client = connection, client
@@ -450,8 +521,9 @@ class RedisStorageQueue:
 
     def _scrub(self, exc: BaseException) -> str:
         text = str(exc)
-        password = urllib.parse.urlsplit(self._url).password
-        return text.replace(password, "***") if password else text
+        for secret in _secrets(self._url):
+            text = text.replace(secret, "***")
+        return text
 
     def _ensure_group(self, client: Any) -> None:
         """Make (or check) the stream, its epoch and the group, once per process."""
@@ -566,8 +638,9 @@ class RedisStorageQueue:
 
         Raises ``queue.Empty`` after ``timeout`` seconds, ``ProducerDiedError`` when the stream is
         empty and a registered producer died, and ``HandleRecordError`` /
-        ``UnregisteredStorageTypeError`` for an entry that is not a handle record (acknowledged, and
-        counted as ``refused``: it is never delivered again).
+        ``UnregisteredStorageTypeError`` / ``UntrustedStorageError`` for an entry that is not a handle
+        record, or names a path or bucket outside ``trusted_roots`` (acknowledged, and counted as
+        ``refused``: it is never delivered again; a ``StorageDataset`` skips such entries).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -578,7 +651,7 @@ class RedisStorageQueue:
                 self._next_claim = now + max(0.05, self.claim_after / 4)
                 if self._claim():
                     continue
-            if self._read(block_ms=None):
+            if self._read():
                 continue
             # Seen closed, then read nothing: every entry put before close() was delivered.
             closed = self._closed or bool(self._call(lambda c: self._scripts["is_closed"](
@@ -606,7 +679,7 @@ class RedisStorageQueue:
                 wait = min(wait, left)
             if closed:
                 time.sleep(wait)
-            elif self._read(block_ms=max(1, int(wait * 1000))):
+            elif self._wait_for_entries(wait):
                 continue
 
     def __iter__(self) -> Iterator[tuple[str, Storage]]:
@@ -657,38 +730,53 @@ class RedisStorageQueue:
             if isinstance(fields, list):  # a script's reply: [field, value, ...]
                 fields = dict(zip(fields[::2], fields[1::2]))
             try:
+                why = fields.get(REFUSED.encode()) if len(fields) == 1 else None
+                if why is not None:  # refused by the read script, in Redis
+                    raise HandleRecordError(
+                        f"stream entry {token} {_decode_id(why)}: not an entry RedisStorageQueue.put writes into "
+                        f"stream {self.stream!r}; refused without reading it")
                 raw = fields.get(FIELD.encode())
                 if raw is None or len(fields) != 1:
                     raise HandleRecordError(
-                        f"stream entry {token} has fields {sorted(map(_decode_id, fields))[:8]}, not one {FIELD!r} "
-                        "field holding a handle record: something other than RedisStorageQueue.put writes "
-                        f"into stream {self.stream!r}")
-                item: Any = _codec.decode(raw, allow_pickle=self.allow_pickle)
-            except (HandleRecordError, UnregisteredStorageTypeError) as exc:
+                        f"stream entry {token} has {len(fields)} fields, not one {FIELD!r} field holding a handle "
+                        f"record: something other than RedisStorageQueue.put writes into stream {self.stream!r}")
+                item: Any = _codec.decode(raw, allow_pickle=self.allow_pickle, trusted_roots=self._roots)
+            except StorageError as exc:
                 item = exc
+            except Exception as exc:  # noqa: BLE001 - whatever a record provokes, it is refused, never raised
+                item = HandleRecordError(f"stream entry {token} could not be decoded ({type(exc).__name__}); refused")
             self._buffer.append((token, item))
         return len(entries)
 
-    def _read(self, block_ms: int | None) -> int:
-        if block_ms is None:
-            reply = self._call(lambda c: self._scripts["read"](
-                keys=self._keys(), args=[self._epoch, self.group, self.consumer, self.prefetch]), "read")
-        else:
-            reply = self._call(lambda c: c.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                                      count=self.prefetch, block=block_ms), "read")
+    def _read(self) -> int:
+        reply = self._call(lambda c: self._scripts["read"](
+            keys=self._keys(), args=[self._epoch, self.group, self.consumer, self.prefetch,
+                                     _limits.RECORD_MAX_BYTES]), "read")
         if not reply:
             return 0
-        entries = reply[0][1]
-        if block_ms is not None and entries:
-            self._call(lambda c: self._scripts["count"](keys=self._keys(), args=[self._epoch, self.group, len(entries)]),
-                       "count deliveries")
-        return self._take(entries)
+        return self._take(reply[0][1])
+
+    def _wait_for_entries(self, wait: float) -> int:
+        """Ask for new entries every few milliseconds for up to ``wait`` seconds; how many came.
+
+        Not a blocking XREADGROUP: that hands entries over whole, before their size could be
+        checked; the read script checks it in Redis.
+        """
+        deadline = time.monotonic() + wait
+        pause = IDLE_POLL_S[0]
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(pause, left))
+            got = self._read()
+            if got:
+                return got
+            pause = min(2 * pause, IDLE_POLL_S[1])
+        return 0
 
     def _claim(self) -> int:
         min_idle = int(self.claim_after * 1000)
         cursor, entries, lost = self._call(lambda c: self._scripts["claim"](
-            keys=self._keys(), args=[self._epoch, self.group, self.consumer, min_idle, self._claim_cursor, 100]),
-            "claim")
+            keys=self._keys(), args=[self._epoch, self.group, self.consumer, min_idle, self._claim_cursor, 100,
+                                     _limits.RECORD_MAX_BYTES]), "claim")
         self._claim_cursor = _decode_id(cursor)
         if lost:
             logger.warning("Redis stream %s: %d pending entries were deleted before anyone acknowledged them "
@@ -803,8 +891,16 @@ class RedisStorageQueue:
         self._closed = False
         self._epoch = None
 
-    def as_source(self) -> RedisSource:
-        return RedisSource(self)
+    def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource:
+        """The queue as a ``StorageDataset`` source; ``trusted_roots`` are added to the queue's own."""
+        extra = _trust.roots(trusted_roots)
+        if not extra:
+            return RedisSource(self)
+        state = self.__getstate__()
+        state["trusted_roots"] = self._roots | extra
+        queue = RedisStorageQueue.__new__(RedisStorageQueue)
+        queue.__setstate__(state)
+        return RedisSource(queue)
 
 
 class RedisSource:
@@ -820,6 +916,7 @@ class RedisSource:
 
     def __init__(self, queue: RedisStorageQueue) -> None:
         self.queue = queue
+        self.refused = 0  # entries refused in this process (Redis counts them all: stats()["refused"])
 
     def __getstate__(self) -> dict:
         return {"queue": self.queue}
@@ -833,7 +930,16 @@ class RedisSource:
             q._conn()  # per-process state first, then the name
             q.family = _family(family)
             q.consumer = f"{q.family}/{os.getpid()}-{secrets.token_hex(3)}"
-        yield from q
+        while True:
+            try:
+                item = q.get()
+            except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+                self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
+                _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
+                continue
+            if item is None:
+                return
+            yield item
 
     ack_in_background = True  # the trainer's ledger thread sends acknowledgements in batches
 

@@ -1,0 +1,553 @@
+"""Fuzzing what an untrusted writer controls (issue 17): files, batch headers, Redis records and
+entries, claim bodies and names, non-regular files.
+
+Whatever the bytes, a consumer gets a sample or one of our error types, in bounded time, with no
+descriptor, slot, ring, thread or process left behind, and the next valid sample still loads on
+the same worker. Most cases hit the parsers in this process (fast); fewer go through real worker
+processes and a real Redis, to show the workers survive.
+
+Budget: ``TSL_FUZZ_EXAMPLES`` cases per in-process property (default 200: seconds, for CI); the
+worker and Redis properties run a tenth of that. A longer run::
+
+    TSL_FUZZ_EXAMPLES=20000 python -m pytest tests/test_fuzz.py -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+import socket
+import struct
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from _redis_server import redis_server  # noqa: F401  (fixture)
+from torch_storage_loader import (FileStorage, FileStorageLoader, HandleRecordError, ObjectStorage, RedisStorageQueue,
+                                  SampleMismatchError, StorageDataset, StorageError, UnregisteredStorageTypeError,
+                                  UntrustedStorageError)
+from torch_storage_loader import _batch, _codec, _format, _prefix, _proc, _sources, _tree, _trust
+
+EXAMPLES = max(10, int(os.environ.get("TSL_FUZZ_EXAMPLES", "200")))
+SLOW_EXAMPLES = max(5, EXAMPLES // 10)  # cases that go through worker processes or Redis
+BOUND_S = 5.0  # "no hang": far above what any case takes (milliseconds), far below a hang
+FIXED = struct.Struct("<8sIIQQ")
+
+
+_ran: collections.Counter = collections.Counter()  # cases run per property, for TSL_FUZZ_REPORT
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    """With ``TSL_FUZZ_REPORT=path``: write the cases run per property and the time taken there (JSON)."""
+    start = time.monotonic()
+    yield
+    path = os.environ.get("TSL_FUZZ_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"examples": EXAMPLES, "cases": dict(_ran), "total": sum(_ran.values()),
+                       "seconds": round(time.monotonic() - start, 1)}, f, indent=1)
+
+
+def fuzz_settings(n: int = EXAMPLES):
+    return settings(max_examples=n, deadline=None, derandomize=False, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+# ------------------------------------------------------------------------------------ valid inputs
+def _bases() -> list[bytes]:
+    samples = [
+        {"obs": np.arange(24, dtype=np.float32).reshape(2, 3, 4), "act": torch.arange(3), "done": np.zeros(2, bool),
+         "info": {"id": 1, "name": "traj", 3: None}},
+        [np.int16(7), 1.5, complex(1, -2), b"raw", bytearray(b"ab"), "s", True, None, (np.zeros(0), torch.zeros(0, 2))],
+        collections.OrderedDict(a=torch.ones(2, dtype=torch.bfloat16), b=[np.array(["ab", "c"]), np.array([1, 2], ">u4")]),
+        {"t": np.array(["2024-01-01"], "datetime64[ns]"), "deep": [[[[{"x": torch.ones(1)}]]]], "inf": float("inf")},
+        ttorch.Tensor({"a": torch.ones(2), "b": {"c": torch.zeros(3, dtype=torch.int8)}}),
+    ]
+    out = []
+    for s in samples:
+        spec, leaves = _tree.encode(s)
+        buffers, _ = _format.serialize(spec, leaves)
+        out.append(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))
+    return out
+
+
+BASES = _bases()
+
+
+def _split(raw: bytes) -> tuple[dict, bytes]:
+    _, _, header_len, data_offset, data_size = FIXED.unpack_from(raw)
+    return json.loads(raw[FIXED.size: FIXED.size + header_len]), raw[data_offset:]
+
+
+def _assemble(header: bytes, data: bytes, data_size: int | None = None, *, claim: int | None = None) -> bytes:
+    """A file of ``header`` and ``data`` (cut or padded to ``data_size``); ``claim``: the data size the
+    fixed part states instead (a lie, the file keeps its real size)."""
+    offset = _format.align(FIXED.size + len(header))
+    size = len(data) if data_size is None else data_size
+    head = FIXED.pack(_format.MAGIC, _format.VERSION, len(header), offset, size if claim is None else claim) + header
+    return head + bytes(offset - len(head)) + data[:size] + bytes(max(0, size - len(data)))
+
+
+# ------------------------------------------------------------------------------------- mutations
+DEEP = "\x00DEEP\x00"  # replaced by deeply nested brackets once the JSON is written
+ODD_VALUES = [True, False, None, 0, -1, 1, 63, 64, 2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, 10 ** 40, 1.5, float("inf"),
+              float("nan"), "", "0x1p99999", "inf", "-0x1p-1074", "nan", "numpy", "torch", "pickle", "bytes",
+              "numpy_scalar", "<f4", "|O8", "<U0", "<U99999999999", "|V8", ">f8", "<M8[ns]", "bfloat16", "a", "d", "od",
+              "l", "t", "v", "tt", "tn", "n", "b", "i", "s", "f", "c", "int", "\u00b2", "\ud7ff", [], {}, [0], ["a", 0],
+              ["int", 5], ["n"], DEEP]
+VALUES = st.one_of(st.sampled_from(ODD_VALUES), st.integers(-(2 ** 70), 2 ** 70), st.text(max_size=12),
+                   st.lists(st.integers(-1, 70), max_size=4),
+                   st.dictionaries(st.text(max_size=4), st.integers(-1, 3), max_size=2))
+
+
+def _nodes(doc, path=()):
+    yield path
+    if type(doc) is list:
+        for i, v in enumerate(doc):
+            yield from _nodes(v, path + (i,))
+    elif type(doc) is dict:
+        for k, v in doc.items():
+            yield from _nodes(v, path + (k,))
+
+
+def _replace(doc, path, value):
+    if not path:
+        return value
+    parent = doc
+    for p in path[:-1]:
+        parent = parent[p]
+    parent[path[-1]] = value
+    return doc
+
+
+def _dumps(doc, depth: int) -> bytes:
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=True)
+    deep = "[" * depth + "]" * depth
+    return text.replace(json.dumps(DEEP), deep).encode()
+
+
+@st.composite
+def mutated_json(draw, doc):
+    """``doc`` with 1 to 3 values replaced (type swaps, huge numbers, deep nesting), as JSON text."""
+    doc = json.loads(json.dumps(doc))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = list(_nodes(doc))
+        doc = _replace(doc, draw(st.sampled_from(paths)), copy.deepcopy(draw(VALUES)))
+    text = _dumps(doc, draw(st.sampled_from([2, 60, 250, 1200, 6000])))
+    how = draw(st.sampled_from(["as is", "as is", "duplicate key", "nan", "insert deep"]))
+    if how == "duplicate key" and text.startswith(b"{"):
+        text = b'{"tree":["n"],' + text[1:]
+    elif how == "nan":
+        text = text.replace(b"0", b"NaN", 1)
+    elif how == "insert deep":
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + b"[" * 3000 + text[at:]
+    return text
+
+
+@st.composite
+def mutated_bytes(draw, raw: bytes):
+    """``raw`` with 1 to 4 byte-level changes: bit flips, truncation, insertion, overwriting."""
+    raw = bytearray(raw)
+    for _ in range(draw(st.integers(1, 4))):
+        action = draw(st.sampled_from(["flip", "flip", "cut", "insert", "overwrite"]))
+        pos = draw(st.integers(0, max(len(raw) - 1, 0)))
+        if action == "flip" and raw:
+            raw[pos] ^= 1 << draw(st.integers(0, 7))
+        elif action == "cut":
+            del raw[pos:]
+        elif action == "insert":
+            raw[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        else:
+            chunk = draw(st.binary(min_size=1, max_size=16))
+            raw[pos: pos + len(chunk)] = chunk
+    return bytes(raw)
+
+
+def _chain(depth: int) -> list:
+    node: list = ["a", 0]
+    for _ in range(depth):
+        node = ["l", [node]]
+    return node
+
+
+# Tree nodes that lie: each breaks one rule of the spec (arity, types, ranges, numbering, depth).
+BAD_NODES = [["f", "0x1p99999"], ["f", "-0x1p99999"], ["f", 1.5], ["f", "1e5"], ["c", "0x1p99999", "0x0p+0"],
+             ["c", "0x1p+0"], ["a", 99], ["a", -1], ["a", True], ["a", "0"], ["a"], ["d", ["k"], []],
+             ["d", ["k", "j"], [["n"]]], ["d", [["int", "x"]], [["n"]]], ["d", [["int", True]], [["n"]]],
+             ["od", [["str", 1]], [["n"]]], ["tt", [["int", 1]], [["n"]]], ["tn", [1], [["n"]]], ["l", "x"],
+             ["t", [["q"]]], ["v", [["i", 1]]], ["s", 5], ["s"], ["b", 1], ["b", "true"], ["i", True], ["i", 1.0],
+             ["n", 1], [], "n", None, 7, {"a": 0}, [["a", 0]], _chain(150), _chain(99), ["l", [DEEP]]]
+
+
+def _tree_nodes(node, path):
+    """Paths to the tree nodes under ``node`` (the spec's lists that start with a tag)."""
+    if type(node) is not list or not node or type(node[0]) is not str:
+        return
+    yield path
+    tag = node[0]
+    children = node[2] if tag in ("d", "od", "tt", "tn") and len(node) == 3 else node[1] if tag in ("l", "t") else []
+    base = path + ((2,) if tag in ("d", "od", "tt", "tn") else (1,))
+    for i, child in enumerate(children if type(children) is list else []):
+        yield from _tree_nodes(child, base + (i,))
+
+
+@st.composite
+def hostile_files(draw):
+    """A file a writer could drop: a valid one damaged at the byte level, in its header's values, or
+    with a tree node that lies."""
+    base = draw(st.sampled_from(BASES))
+    how = draw(st.sampled_from(["bytes", "values", "tree node"]))
+    if how == "bytes":
+        return draw(mutated_bytes(base))
+    doc, data = _split(base)
+    if how == "tree node":
+        path = draw(st.sampled_from(list(_tree_nodes(doc["tree"], ("tree",)))))
+        doc = _replace(doc, path, copy.deepcopy(draw(st.sampled_from(BAD_NODES))))
+        header = _dumps(doc, draw(st.sampled_from([2, 150, 6000])))
+    else:
+        header = draw(mutated_json(doc))
+    size = draw(st.sampled_from([None, None, 0, len(data) + 64, max(0, len(data) - 64)]))
+    claim = draw(st.sampled_from([None, None, None, 2 ** 40, 2 ** 64 - 1, len(data) + 1]))
+    return _assemble(header, data, size, claim=claim)
+
+
+# --------------------------------------------------------------------------------------- checks
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _checked(raw: bytes, name: str = "fuzz.tsl"):
+    """What a worker checks before it takes a slot: the header of ``raw`` as a whole file, or our error."""
+    header, _ = _format.parse_header(raw, name, len(raw))
+    assert header is not None, "a whole file always parses to a header or an error"
+    assert len(raw) == header.data_offset + header.data_size
+    _format.check_readable(header, _format.ReadOptions(), name)
+    return header
+
+
+@fuzz_settings()
+@given(raw=hostile_files(), as_tensors=st.booleans())
+def test_any_bytes_give_a_sample_or_a_corrupt_error(raw, as_tensors):
+    """Refused where the worker reads (before any slot), or built where the sample arrives: never
+    refused there (past a DataLoader worker's on_error)."""
+    _ran["file bytes, in process"] += 1
+    start = time.monotonic()
+    try:
+        header = _checked(raw)
+    except StorageError as exc:
+        assert "fuzz.tsl" in str(exc)
+    else:
+        _tree.build(header, bytearray(raw[header.data_offset:]), _format.ReadOptions(as_tensors=as_tensors))
+    assert time.monotonic() - start < BOUND_S
+
+
+@fuzz_settings()
+@given(a=hostile_files(), b=hostile_files(), valid_b=st.booleans())
+def test_batch_headers_plan_or_refuse(a, b, valid_b):
+    """Headers that parsed are stacked into one batch, or refused as a mismatch; nothing else."""
+    _ran["batch headers"] += 1
+    b = BASES[0] if valid_b else b
+    headers = []
+    for raw in (a, b):
+        try:
+            headers.append(_checked(raw, "x.tsl"))
+        except StorageError:
+            return
+    try:
+        batch = _batch.plan(headers, ["a.tsl", "b.tsl"])
+    except SampleMismatchError:
+        return
+    assert batch.data_size <= 2 * max(h.data_size for h in headers) + 64 * len(batch.arrays)
+    target = memoryview(bytearray(batch.data_size))
+    for j, h in enumerate(headers):
+        for v in _batch.file_iovecs(h, batch, j, target, memoryview(bytearray(64))):
+            v.release()
+    target.release()
+    _tree.build(batch, bytearray(batch.data_size), _format.ReadOptions(as_tensors=True))
+
+
+def test_files_of_any_content_and_kind_on_disk(tmp_path):
+    """The same, through real files (open, read, refuse), counting descriptors."""
+    fds = _open_fds()
+
+    @fuzz_settings()
+    @given(raw=hostile_files())
+    def one(raw):
+        _ran["files on disk"] += 1
+        path = tmp_path / "f.tsl"
+        path.write_bytes(raw)
+        start = time.monotonic()
+        try:
+            FileStorage(path).load()
+        except StorageError as exc:
+            assert str(path) in str(exc)
+        assert time.monotonic() - start < BOUND_S
+
+    one()
+    for special in _specials(tmp_path):
+        start = time.monotonic()
+        with pytest.raises(UntrustedStorageError):
+            FileStorage(special).load()
+        assert time.monotonic() - start < BOUND_S
+    assert _open_fds() == fds, "a refused file left a descriptor open"
+
+
+def _specials(tmp_path) -> list[str]:
+    """Files that are not regular files: a FIFO, a directory, a socket, devices, symbolic links to each."""
+    os.mkfifo(tmp_path / "fifo.tsl")
+    (tmp_path / "dir.tsl").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.tsl"))
+    sock.close()
+    FileStorage(tmp_path / "real.tsl").save({"x": np.ones(2)})
+    out = [str(tmp_path / n) for n in ("fifo.tsl", "dir.tsl", "sock.tsl")] + ["/dev/null", "/dev/zero"]
+    for target in out + [str(tmp_path / "real.tsl")]:
+        link = tmp_path / f"link-{len(os.listdir(tmp_path))}.tsl"
+        os.symlink(target, link)
+        out.append(str(link))
+    return out
+
+
+# ------------------------------------------------------------------------------- through workers
+def test_a_worker_survives_any_file_and_loses_no_slot(tmp_path):
+    good = FileStorage(tmp_path / "good.tsl")
+    good.save({"x": np.arange(100, dtype=np.float32), "id": 7})
+    with FileStorageLoader(tmp_path / "own", ttl=None, worker_num=1, slots_per_worker=2,
+                           max_rings_per_worker=1) as loader:
+        assert loader.load_async(good).result(timeout=60)["id"] == 7
+        pid = loader._workers[0].proc.pid
+        failed = 0
+
+        @fuzz_settings(SLOW_EXAMPLES)
+        @given(raw=hostile_files())
+        def one(raw):
+            nonlocal failed
+            _ran["files through a loader worker"] += 1
+            name = tmp_path / f"w-{uuid.uuid4().hex[:8]}.tsl"
+            name.write_bytes(raw)
+            try:
+                loader.load_async(FileStorage(name)).result(timeout=60)
+            except StorageError:
+                failed += 1
+            assert loader.load_async(good).result(timeout=60)["id"] == 7  # the next valid sample, same worker
+
+        one()
+        (tmp_path / "specials").mkdir()
+        for special in _specials(tmp_path / "specials"):
+            with pytest.raises(UntrustedStorageError):
+                loader.load_async(FileStorage(special)).result(timeout=60)
+            assert loader.load_async(good).result(timeout=60)["id"] == 7
+        s = loader.stats()
+        assert loader._workers[0].proc.pid == pid and s.worker_restarts == 0
+        assert s.fallbacks == 0 and s.regrows == 0, s  # every refused file gave its slot back
+
+
+def test_a_dataloader_skips_any_file_and_goes_on(tmp_path):
+    @fuzz_settings(max(2, SLOW_EXAMPLES // 5))
+    @given(raws=st.lists(hostile_files(), min_size=4, max_size=12), batch_size=st.sampled_from([None, 3]))
+    def one(raws, batch_size):
+        _ran["DataLoader runs (4-12 files each)"] += 1
+        d = tmp_path / uuid.uuid4().hex[:8]
+        d.mkdir()
+        handles, valid = [], 0
+        tail = []  # goods at the end: at least one batch without a damaged file
+        for i in range(6):
+            tail.append(FileStorage(d / f"tail-{i}.tsl"))
+            tail[-1].save({"x": np.full(4, 100 + i, np.int64)})
+        for i, raw in enumerate(raws):
+            bad = FileStorage(d / f"bad-{i}.tsl")
+            (d / f"bad-{i}.tsl").write_bytes(raw)
+            good = FileStorage(d / f"good-{i}.tsl")
+            good.save({"x": np.full(4, i, np.int64)})
+            handles += [bad, good]
+            try:
+                bad.load()
+                valid += 1
+            except StorageError:
+                pass
+        ds = StorageDataset(handles + tail, on_error="skip", batch_size=batch_size)
+        out = list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=60))
+        if batch_size is None:
+            assert len(out) == len(raws) + valid + len(tail) and ds.stats()["skipped"] == len(raws) - valid
+        ours = [b["x"] for b in out if type(b) is dict and type(b.get("x")) is torch.Tensor and b["x"].shape[-1:] == (4,)]
+        assert [int(x) for t in ours for x in t.reshape(-1, 4)[:, 0]][-3:] == [103, 104, 105]  # the worker went on
+
+    one()
+
+
+# ------------------------------------------------------------------------------------------ records
+def _record_bases(root: str) -> list[dict]:
+    return [{"type": "FileStorage", "fields": {"path": f"{root}/a.tsl", "allow_pickle": False}},
+            {"type": "ObjectStorage", "fields": {"path": "s3://bucket/run/a.tsl", "size": 128, "version": "e",
+                                                 "allow_pickle": False}}]
+
+
+PATHS = ["{root}/../x.tsl", "{root}/./a.tsl", "{root}/sub/../a.tsl", "{root}/dirlink/x.tsl", "{root}/link.tsl",
+         "/etc/passwd", "relative.tsl", "{root}/", "{root}/a.tsl\x00", "{root}/" + "x" * 5000, "s3://bucket/run/a.tsl",
+         "s3://bucket/run/../x", "s3://bucket/run-2/a", "s3://bucket/run//a", "s3://bucket/run/a?versionId=1",
+         "s3://other/run/a", "gs://bucket/run/a", "{root}/\u00b2.tsl", "{root}"]
+
+
+@st.composite
+def hostile_records(draw, root: str):
+    base = draw(st.sampled_from(_record_bases(root)))
+    how = draw(st.sampled_from(["json", "json", "path", "bytes", "pickle"]))
+    if how == "path":
+        base["fields"]["path"] = draw(st.sampled_from(PATHS)).format(root=root)
+        base["fields"]["allow_pickle"] = draw(st.sampled_from([False, True, 1, "no", None]))
+        return json.dumps(base).encode()
+    if how == "json":
+        return draw(mutated_json(base))
+    if how == "pickle":
+        import pickle
+
+        return pickle.dumps(base)
+    return draw(mutated_bytes(json.dumps(base).encode()))
+
+
+def _check_decoded(storage, root: str) -> None:
+    assert type(storage) in (FileStorage, ObjectStorage)
+    assert storage.allow_pickle is False
+    if type(storage) is FileStorage:
+        real = os.path.realpath(os.path.dirname(storage.path))
+        assert (real + "/").startswith(os.path.realpath(root) + "/"), storage.path
+        assert os.path.basename(storage.path) not in ("", ".", "..")
+    else:
+        assert storage.path.startswith("s3://bucket/run/") and ".." not in storage.path
+
+
+def _record_root(tmp_path) -> str:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "dirlink")
+    os.symlink(tmp_path / "outside" / "x.tsl", root / "link.tsl")
+    return str(root)
+
+
+def test_any_record_decodes_to_a_confined_handle_or_is_refused(tmp_path):
+    root = _record_root(tmp_path)
+    roots = _trust.roots([root, "s3://bucket/run"])
+
+    @fuzz_settings()
+    @given(raw=hostile_records(root))
+    def one(raw):
+        _ran["records"] += 1
+        start = time.monotonic()
+        try:
+            _check_decoded(_codec.decode(raw, trusted_roots=roots), root)
+        except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError):
+            pass
+        assert time.monotonic() - start < BOUND_S
+
+    one()
+
+
+ENTRY_FIELDS = st.dictionaries(st.sampled_from([b"h", b"!", b"x", b"h\x00", b""]), st.binary(max_size=64),
+                               min_size=0, max_size=3)
+
+
+def test_any_stream_entry_is_delivered_or_refused(tmp_path):
+    """What the queue makes of entries as Redis hands them over (no server needed for this part)."""
+    root = _record_root(tmp_path)
+    q = RedisStorageQueue("redis://127.0.0.1:1/0", "fuzz", trusted_roots=[root, "s3://bucket/run"])
+
+    @fuzz_settings()
+    @given(raw=hostile_records(root), fields=ENTRY_FIELDS, as_list=st.booleans())
+    def one(raw, fields, as_list):
+        _ran["stream entries (3 each)"] += 1
+        q._buffer.clear()
+        entries = [(b"1-1", {b"h": raw}), (b"1-2", fields), (b"1-3", None)]
+        if as_list:  # a script's reply: [field, value, ...]
+            entries = [(i, None if f is None else [x for kv in f.items() for x in kv]) for i, f in entries]
+        assert q._take(entries) == 3
+        for _, item in q._buffer:
+            if isinstance(item, StorageError):
+                assert type(item) in (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError)
+            else:
+                _check_decoded(item, root)
+
+    one()
+
+
+def test_a_dataloader_over_any_redis_entries_never_stops(redis_server, tmp_path):  # noqa: F811
+    import redis
+
+    root = str(tmp_path)
+    goods = []
+    for i in range(3):
+        goods.append(FileStorage(tmp_path / f"g{i}.tsl"))
+        goods[-1].save({"x": np.full(3, i)})
+
+    @fuzz_settings(max(2, SLOW_EXAMPLES // 5))
+    @given(raws=st.lists(hostile_records(root), min_size=3, max_size=15),
+           extra=st.lists(ENTRY_FIELDS.filter(bool), max_size=3))
+    def one(raws, extra):
+        _ran["DataLoader runs over Redis (6-21 entries each)"] += 1
+        q = RedisStorageQueue(redis_server.url, f"fuzz-{uuid.uuid4().hex[:8]}", trusted_roots=[root])
+        raw_client = redis.Redis.from_url(redis_server.url)
+        try:
+            for g in goods:
+                q.put(g)
+            for r in raws:
+                raw_client.xadd(q.stream, {"h": r})
+            for fields in extra:
+                raw_client.xadd(q.stream, fields)
+            q.close()
+            out = list(DataLoader(StorageDataset(q, on_error="skip"), batch_size=None, num_workers=1,
+                                  multiprocessing_context="fork", timeout=60))
+            assert {0, 1, 2} <= {int(s["x"][0]) for s in out if isinstance(s, dict) and "x" in s}
+            s = q.stats()  # every entry acknowledged (failed loads too) or refused: none left pending
+            assert s["pending"] == 0 and s["acked"] + s["refused"] == len(goods) + len(raws) + len(extra), s
+        finally:
+            raw_client.close()
+            q.delete()
+
+    one()
+
+
+# ---------------------------------------------------------------------------------------- claims
+CLAIM_BASE = {"host": "h", "family": "123", "pid": 456, "nonce": "abcd"}
+
+
+@fuzz_settings()
+@given(raw=st.one_of(mutated_json(CLAIM_BASE), mutated_bytes(json.dumps(CLAIM_BASE).encode()),
+                     st.binary(max_size=64)))
+def test_any_claim_body_names_a_valid_owner_or_none(raw):
+    _ran["claim bodies"] += 1
+    start = time.monotonic()
+    owner = _prefix.parse_claim_body(raw)
+    assert time.monotonic() - start < BOUND_S
+    if owner is not None:
+        assert sorted(owner) == ["family", "host", "nonce", "pid"]
+        assert type(owner["pid"]) is int and 1 <= owner["pid"] <= _proc.PID_MAX
+        assert _proc.parse_pid(owner["family"]) is not None
+        assert type(_prefix._alive(owner)) is bool
+
+
+DIGITISH = st.sampled_from(["0", "1", "42", "4194304", "4194305", "99999999999999999999", "\u00b2", "\u0663", "-1",
+                            "", " 1", "1 ", "+1", "0x1", "٣٣"])
+
+
+@fuzz_settings()
+@given(original=st.text(max_size=20), host=st.text(max_size=20), family=st.one_of(DIGITISH, st.text(max_size=8)),
+       pid=st.one_of(DIGITISH, st.text(max_size=8)), tail=st.text(max_size=6))
+def test_any_claim_name_parses_to_a_valid_claim_or_none(original, host, family, pid, tail):
+    _ran["claim names"] += 1
+    name = f"{original}{_sources.CLAIM}{host}-{family}-{pid}{tail}"
+    claim = _sources._parse_claim(name)
+    if claim is not None:
+        assert claim[0] and _proc.parse_pid(claim[2]) is not None and 1 <= claim[3] <= _proc.PID_MAX
+        assert type(_proc.trainer_alive(claim[2], claim[3])) is bool

@@ -72,7 +72,9 @@ def test_rings_registered_once_each_and_unregistered_before_unmap(gpu, files):
     assert sorted(seen) == list(range(12))
     registered = [e for e in gpu.log if e[0] == "register"]
     addresses = [e[1] for e in registered]
-    assert len(addresses) == len(set(addresses)) == 2  # one ring per worker, each registered once
+    # Each ring registered once. A worker whose slots are all out (the in-order DataLoader holding
+    # the other worker's lead while it lags, on a loaded machine) adds a ring: at least one per worker.
+    assert len(addresses) == len(set(addresses)) >= 2
     assert sum(e[2] for e in registered) <= 64 << 20  # within the slot budget
     gc.collect()
     wait_for(lambda: not gpu.registered)  # the workers exited: their rings were forgotten

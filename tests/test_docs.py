@@ -1,0 +1,167 @@
+"""The docs site, checked rather than trusted: it builds strictly, every Python example in README.md and
+docs/ runs, and every built page renders in a headless Chromium without a console error.
+
+Examples run one page per fresh interpreter (a page's blocks in order, sharing state) in a temporary
+directory, with warnings as errors like this suite. A block's first line may say what it needs:
+``# tsl-docs: needs cuda`` (skipped without a GPU) or ``# tsl-docs: skip (why)`` (never run: hosts that
+are only illustrations). Blocks that read ``TSL_REDIS_URL`` get this suite's redis-server; blocks that
+read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS`` get a fresh bucket on its SeaweedFS.
+"""
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from _redis_server import redis_server  # noqa: F401  (fixture)
+from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+MARKER = re.compile(r"#\s*tsl-docs:\s*(needs cuda|skip\b.*)")
+FENCE = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return FENCE.findall(page.read_text())
+
+
+def _marker(block: str) -> str | None:
+    first = block.lstrip().splitlines()[0] if block.strip() else ""
+    match = MARKER.match(first)
+    return match.group(1) if match else None
+
+
+# Lightning's own use of a deprecated torch pytree name (tests/test_lightning.py ignores it too).
+EXAMPLE_FILTERS = ["ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning"]
+
+
+def _warning_flags() -> list[str]:
+    """This suite's warning filters (pyproject.toml), as the interpreter's -W options, in the same order."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    entries = [*config["filterwarnings"], *EXAMPLE_FILTERS]
+    return [flag for entry in entries for flag in ("-W", entry)]
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    print(f"mkdocs build --strict: {elapsed:.1f} s")
+    return site
+
+
+def test_site_builds_strictly(built_site):
+    pages = sorted(p.relative_to(built_site).as_posix() for p in built_site.rglob("index.html"))
+    assert "index.html" in pages and "reference/loaders/index.html" in pages, pages
+    reference = (built_site / "reference/loaders/index.html").read_text()
+    assert "torch_storage_loader.FileStorageLoader" in reference  # mkdocstrings rendered the public name
+    for figure in (ROOT / "benchmarks/figures").glob("*.png"):  # the scripts' plots, published as they are
+        assert (built_site / "figures" / figure.name).read_bytes() == figure.read_bytes()
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_examples_run(page, request, tmp_path):
+    blocks = python_blocks(page)
+    markers = [_marker(b) for b in blocks]
+    if any(m == "needs cuda" for m in markers) and not torch.cuda.is_available():
+        pytest.skip("an example of this page needs a CUDA device and none is present")
+    runnable = [b for b, m in zip(blocks, markers) if m is None or m == "needs cuda"]
+    if not runnable:
+        pytest.skip(f"every example of this page is marked to skip: {markers}")
+    script = "\n\n".join(runnable)
+    env = {**os.environ}
+    if "TSL_REDIS_URL" in script:
+        env["TSL_REDIS_URL"] = request.getfixturevalue("redis_server").url
+    if "TSL_S3_" in script:
+        server = request.getfixturevalue("s3_server")
+        env["TSL_S3_BUCKET"] = f"s3://{request.getfixturevalue('s3_bucket')}"
+        env["TSL_S3_OPTIONS"] = json.dumps(server.storage_options)
+    # Run as code typed into an interpreter or a notebook (no main module file for spawned loader
+    # workers to re-run); a script file needs `if __name__ == "__main__":`, as getting-started.md says.
+    result = subprocess.run([sys.executable, *_warning_flags(), "-c", script], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, (f"the examples of {page.relative_to(ROOT)} failed:\n{script}\n"
+                                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def site_url(built_site):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(_QuietHandler, directory=str(built_site)))
+    thread = threading.Thread(target=server.serve_forever, name="tsl-docs-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+SCREENSHOTS = {"getting-started/": "getting-started.png", "reference/loaders/": "reference-loaders.png"}
+
+
+def test_pages_render_in_chromium(built_site, site_url):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed (.ci/run installs it: apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    shots = os.environ.get("TSL_DOCS_SCREENSHOTS")
+    paths = sorted(p.parent.relative_to(built_site).as_posix() + "/" for p in built_site.rglob("index.html"))
+    paths = [("" if p == "./" else p) for p in paths if not p.startswith(("assets/", "search/"))]
+    assert len(paths) >= 20, paths
+    problems = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        try:
+            for path in paths:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("console", lambda m, e=errors: e.append(f"console {m.type}: {m.text}")
+                        if m.type == "error" else None)
+                page.on("pageerror", lambda exc, e=errors: e.append(f"page error: {exc}"))
+                page.on("requestfailed", lambda r, e=errors: e.append(f"request failed: {r.url} {r.failure}"))
+                page.on("response", lambda r, e=errors: e.append(f"HTTP {r.status}: {r.url}")
+                        if r.status >= 400 else None)
+                response = page.goto(f"{site_url}/{path}", wait_until="networkidle")
+                page.wait_for_load_state("networkidle")  # the search worker's index, images: nothing in flight
+                heading = page.locator("article.md-content__inner h1").first
+                if response is None or response.status != 200:
+                    problems.append(f"/{path}: HTTP {response and response.status}")
+                elif heading.count() == 0 or not heading.inner_text().strip():
+                    problems.append(f"/{path}: no main content (no heading in the article)")
+                for image in page.locator("article img").all():
+                    if not image.evaluate("img => img.complete && img.naturalWidth > 0"):
+                        problems.append(f"/{path}: image {image.get_attribute('src')} did not load")
+                if shots and path in SCREENSHOTS:
+                    os.makedirs(shots, exist_ok=True)
+                    page.screenshot(path=os.path.join(shots, SCREENSHOTS[path]), full_page=False)
+                problems += [f"/{path}: {e}" for e in errors]
+                page.close()
+        finally:
+            browser.close()
+    assert not problems, "\n".join(problems)

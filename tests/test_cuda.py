@@ -118,7 +118,7 @@ def test_a_slot_is_not_refilled_while_the_gpu_may_still_copy_it(tmp_path, monkey
         first = loader.load_async(a).result(timeout=60)
         host = torch.from_numpy(first["obs"])
         assert host.is_pinned()
-        from torch_storage_loader._torch_internals import gpu_sleep
+        from torch_storage_loader._dataloader.hooks import gpu_sleep
 
         gpu_sleep(GPU_SLEEP_CYCLES)  # the copy below waits behind this on the stream
         on_gpu = host.to("cuda", non_blocking=True)

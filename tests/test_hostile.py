@@ -610,9 +610,12 @@ def test_module_locks_are_renewed_at_fork():
 def test_the_ledger_thread_survives_garbage_from_a_worker(caplog):
     import multiprocessing as mp
 
-    from torch_storage_loader._delivery import Ledger
+    from torch_storage_loader._dataloader.ledger import Ledger
 
     class Source:
+        keep_alive_every = None
+        ack_in_background = False
+
         def __init__(self):
             self.acked = []
 

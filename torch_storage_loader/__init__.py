@@ -40,6 +40,7 @@ _EXPORTS = {
     "StorageUnavailableError": "errors",
     "UnregisteredStorageTypeError": "errors",
     "UnsupportedLeafError": "errors",
+    "UnsupportedTorchError": "errors",
     "UntrustedStorageError": "errors",
     "WorkerDiedError": "errors",
     "configure_object_store": "_objects",
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
                          RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError, SampleMismatchError,
                          SampleTooLargeError, SampleTooLargeForDeviceError, SlotPinningWarning, StorageCorruptError,
                          StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
-                         UntrustedStorageError, WorkerDiedError)
+                         UnsupportedTorchError, UntrustedStorageError, WorkerDiedError)
     from ._codec import register_storage_type
     from ._objects import configure_object_store
     from ._sources import DirectorySource, end_directory_stream

@@ -6,7 +6,7 @@ section crosses to the device in one copy on a side stream, and the sample is bu
 that one device buffer at the file's array offsets (64-byte aligned, so any dtype lines up). The
 slot goes back to its worker once the copy's event completed (``_pinning.defer``), not when the
 host views are dropped. What arrives is a ``DeviceItem``; on the trainer's thread, the DataLoader
-iterator hook (``_delivery``) calls ``finish``: the trainer's current stream waits for the copy,
+iterator hook (``_dataloader.hooks``) calls ``finish``: the trainer's current stream waits for the copy,
 and the copy's memory is not reused before the work queued after that is done. That is all the
 trainer's thread does per batch.
 
@@ -31,7 +31,7 @@ from .errors import SampleTooLargeForDeviceError
 
 logger = logging.getLogger("torch_storage_loader")
 
-__all__ = ["DeviceItem", "arrive", "deliver", "loader_device", "normalize", "receive_ahead", "to_device", "too_large"]
+__all__ = ["DeviceItem", "arrive", "deliver", "normalize", "to_device", "too_large"]
 
 
 class DeviceItem:
@@ -189,41 +189,3 @@ def arrive(item: Any, device: str) -> Any:
     if type(item) is DeviceItem:
         return item.finish()
     return to_device(item, device)
-
-
-def loader_device(loader: Any) -> str | None:
-    """The device of a DataLoader over a ``StorageDataset(..., device=...)`` with workers, else None."""
-    from .dataset import StorageDataset
-
-    ds = loader.dataset
-    if isinstance(ds, StorageDataset) and ds.device is not None and loader.num_workers > 0:
-        return ds.device
-    return None
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def receive_ahead(loader: Any, device: str | None) -> Any:
-    """Around the creation of a DataLoader iterator: results are received (and their copies issued)
-    on the DataLoader's pin-memory thread, ahead of the trainer, where the accelerator has one."""
-    acc = _pinning.accelerator()
-    if device is None or not getattr(acc, "pin_thread", False):
-        return _Nothing()
-    from ._torch_internals import pin_thread_for, pin_thread_unavailable
-
-    why = pin_thread_unavailable()
-    if why is not None:  # correct still, but each copy is issued when the trainer asks for its batch
-        if not _warned:
-            _warned.append(why)
-            logger.warning("device=: %s; batches are copied when the trainer asks for them, not ahead", why)
-        return _Nothing()
-    return pin_thread_for(loader)
-
-
-_warned: list = []

@@ -95,6 +95,7 @@ class QueueSource:
 
     finite = False
     keep_alive_every = None
+    ack_in_background = False
 
     def __init__(self, q: Any) -> None:
         self.queue = q
@@ -160,6 +161,7 @@ class DirectorySource:
 
     finite = False
     keep_alive_every = None
+    ack_in_background = False
 
     def __new__(cls, path: str | os.PathLike | None = None, **options: Any):  # None: unpickling
         if cls is DirectorySource and path is not None and _objects.is_url(os.fspath(path)):

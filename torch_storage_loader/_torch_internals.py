@@ -1,4 +1,4 @@
-"""The private PyTorch (and CUDA runtime) behaviour the GPU path relies on, in one place.
+"""The CUDA runtime behaviour the GPU path relies on (private torch pieces are in ``_dataloader.hooks``).
 
 Each entry says what it relies on and checks it before use, so that a torch release that changes
 one of them turns into a clear fallback or error here instead of a silent misbehaviour elsewhere:
@@ -8,30 +8,20 @@ one of them turns into a clear fallback or error here instead of a silent misbeh
   code instead of raising). A failed call leaves the error as the CUDA runtime's "last error" of
   the calling thread, which torch's next kernel-launch check would report as its own failure: it
   is cleared through the runtime library torch loaded (``cudaGetLastError``).
-- The DataLoader iterator starts its pin-memory thread when ``loader.pin_memory`` is true at its
-  creation (``_BaseDataLoaderIter.__init__``), that thread unpickles what the workers send, and
-  ``torch.utils.data._utils.pin_memory.pin_memory`` hands back unchanged any object with a
-  ``pin_memory`` method that returns itself.
-- ``torch.cuda._sleep``: a kernel that spins for a number of cycles (tests and benchmarks queue
-  one to keep a stream busy).
 
 Imported only in processes that use CUDA (or its tests); DataLoader workers never import it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .errors import PinThreadUnavailable
-
-__all__ = ["PinThreadUnavailable", "cuda_error_name", "gpu_sleep", "host_register", "host_unregister",
-           "pin_thread_for", "pin_thread_unavailable", "registration_api"]
+__all__ = ["cuda_error_name", "host_register", "host_unregister", "registration_api"]
 
 # cudaHostRegisterPortable: page-locked for every CUDA context of the process, so that whichever
 # thread (and current device) unregisters it later, the registration is found.
@@ -104,52 +94,3 @@ def _clear_last_error() -> None:
     lib = _runtime_library()
     if lib is not None:
         lib.cudaGetLastError()
-
-
-class _PassThrough:
-    def pin_memory(self, *args: Any, **kwargs: Any) -> "_PassThrough":
-        return self
-
-
-@functools.cache
-def pin_thread_unavailable() -> str | None:
-    """Why ``pin_thread_for`` cannot be used with this torch (None: it can)."""
-    try:
-        from torch.utils.data import dataloader
-        from torch.utils.data._utils.pin_memory import _pin_memory_loop, pin_memory
-    except ImportError as exc:
-        return f"torch.utils.data lacks the pin-memory thread ({exc})"
-    probe = _PassThrough()
-    if pin_memory(probe) is not probe:
-        return "torch's pin_memory() does not pass objects with a pin_memory method through"
-    base = getattr(dataloader, "_BaseDataLoaderIter", None)
-    if base is None or "pin_memory" not in getattr(base.__init__, "__code__", None).co_names:
-        return "torch's DataLoader iterator no longer reads loader.pin_memory when it starts"
-    del _pin_memory_loop
-    return None
-
-
-@contextlib.contextmanager
-def pin_thread_for(loader: Any) -> Iterator[None]:
-    """While a DataLoader iterator is created inside this block, it starts its pin-memory thread.
-
-    That thread unpickles the workers' results as they arrive, off the trainer's thread and ahead
-    of it: the GPU path issues each batch's copy there. ``loader.pin_memory`` is restored after.
-    """
-    why = pin_thread_unavailable()
-    if why is not None:
-        raise PinThreadUnavailable(why)
-    before = loader.pin_memory
-    loader.pin_memory = True
-    try:
-        yield
-    finally:
-        loader.pin_memory = before
-
-
-def gpu_sleep(cycles: int) -> None:
-    """Queue a kernel that spins ``cycles`` GPU cycles on the current stream (``torch.cuda._sleep``)."""
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._sleep")
-    sleep(int(cycles))

@@ -13,16 +13,15 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 import threading
 import uuid
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
-
-from . import _delivery, _device, _objects, _trust
+from . import _device, _objects, _trust
+from ._dataloader import hooks
+from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._sources import ListSource, as_source, end_directory_stream
 from ._worker import FillInfo, LocalFiller, SlotFiller
 from ._shm import default_shm_budget
@@ -99,7 +98,7 @@ def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
     # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
     # sample there, and let the default path ship the collated batch (slower, but correct). For
     # device=, the collated batch goes back into a slot, to be copied to the device in one piece.
-    collated = collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
+    collated = hooks.collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
     first = batch[0]
     opts = first.payload.opts
     if opts.device is None:
@@ -109,8 +108,8 @@ def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
 
 
 # The extension point torch documents for default_collate: a collate function per element type.
-default_collate_fn_map[_Delivery] = _collate_deliveries
-_delivery.install()
+hooks.register_collate(_Delivery, _collate_deliveries)
+hooks.install()  # raises UnsupportedTorchError, naming the torch needed, where torch differs
 
 
 def _live_dist() -> tuple[int, int]:
@@ -166,7 +165,6 @@ class StorageDataset(IterableDataset):
                  shuffle: bool = False, seed: int = 0, storage_options: dict | None = None,
                  trusted_roots: list[str] | None = None, device: str | torch.device | None = None) -> None:
         super().__init__()
-        _delivery.install()  # again: torchdata's StatefulDataLoader may have been imported since
         if not isinstance(shuffle, bool):
             raise TypeError(f"{shuffle=} must be a bool")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -218,9 +216,9 @@ class StorageDataset(IterableDataset):
         self._refused_sent = 0  # of the source's refusals in this process, those counted already
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
-        self._materialize = False  # set per iteration: see _fetch_context
-        self._ledger: tuple[str, list] | None = None  # (id, a pipe per worker) while a DataLoader starts workers
-        self._writer: _delivery.LedgerWriter | None = None  # this worker's end of it
+        self._materialize = False  # set per iteration: see hooks.fetch_context
+        self._ledger: LedgerRef | None = None  # while a DataLoader starts its workers: see _tsl_attach_ledger
+        self._writer: LedgerWriter | None = None  # this worker's end of it
 
     def _buckets(self, roots: _trust.Roots) -> list[str]:
         """The buckets (``proto://bucket``) ``storage_options`` are for; ValueError when there are none."""
@@ -369,7 +367,7 @@ class StorageDataset(IterableDataset):
         """Load what ``source`` gives: groups of handles (finite sources) or (token, handle) pairs (streams)."""
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
-        user_collates, per_item = _fetch_context() if in_worker else (False, 1)
+        user_collates, per_item = hooks.fetch_context() if in_worker else (False, 1)
         self._materialize = user_collates
         if epoch is not None:
             for group in source:
@@ -382,7 +380,7 @@ class StorageDataset(IterableDataset):
         yield from self._stream(filler, source, in_worker, per_item)
 
     def _stream(self, filler: SlotFiller, pairs: Iterator, in_worker: bool, per_item: int) -> Iterator[Any]:
-        """A streaming source, at least once (see ``_delivery``): every handle taken is either
+        """A streaming source, at least once (see ``_dataloader.ledger``): every handle taken is either
         acknowledged once the trainer has its sample, failed, or given back."""
         writer = self._writer_for() if in_worker else None
         src, size = self.source, self.batch_size or 1
@@ -411,7 +409,7 @@ class StorageDataset(IterableDataset):
                 src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
 
     def _load_stream(self, filler: SlotFiller, group: list, in_worker: bool,
-                     writer: _delivery.LedgerWriter | None, item: int) -> Any:
+                     writer: LedgerWriter | None, item: int) -> Any:
         tokens = [t for t, _ in group]
 
         def failed() -> None:
@@ -432,13 +430,21 @@ class StorageDataset(IterableDataset):
             self.source.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
         return out
 
-    def _writer_for(self) -> _delivery.LedgerWriter | None:
+    def _tsl_delivery_source(self) -> Any:
+        """For ``hooks``: the streaming source whose handles DataLoader workers report to a ledger (None: finite)."""
+        return None if self.source.finite else self.source
+
+    def _tsl_attach_ledger(self, ref: LedgerRef | None) -> None:
+        """For ``hooks``: the ledger the workers a DataLoader is starting write to (None once started)."""
+        self._ledger = ref
+
+    def _writer_for(self) -> LedgerWriter | None:
         """This worker's ledger writer, restarted for each new iteration (epoch) of the worker."""
         if self._ledger is None:
             return None
         ledger_id, conns = self._ledger
         if self._writer is None or self._writer.ledger_id != ledger_id:
-            self._writer = _delivery.LedgerWriter(ledger_id, conns[get_worker_info().id])
+            self._writer = LedgerWriter(ledger_id, conns[get_worker_info().id])
         self._writer.restart()
         return self._writer
 
@@ -478,29 +484,6 @@ class StorageDataset(IterableDataset):
 
 _SKIP = object()
 
-
-def _fetch_context() -> tuple[bool, int]:
-    """(whether the DataLoader passes our items to a collate_fn of the user's, items per DataLoader item).
-
-    Called from ``_iterate``'s first step, which torch's dataset fetcher runs: its ``collate_fn``
-    is the DataLoader's. Ours (``default_collate`` through ``_Delivery``'s entry, or
-    ``default_convert``) ship references; a user's function must see samples instead. With
-    DataLoader-side batching the fetcher asks for as many items as its index list is long.
-    """
-    from torch.utils.data._utils.collate import default_convert
-    from torch.utils.data._utils.fetch import _BaseDatasetFetcher
-
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            break
-        fetcher = frame.f_locals.get("self")
-        if isinstance(fetcher, _BaseDatasetFetcher):
-            index = frame.f_locals.get("possibly_batched_index")
-            per_item = len(index) if fetcher.auto_collation and hasattr(index, "__len__") else 1
-            return fetcher.collate_fn not in (default_collate, default_convert), max(1, per_item)
-        frame = frame.f_back
-    return False, 1
 
 # Automatic epoch counters are kept for DataLoaders of up to this many workers (beyond it, only
 # persistent workers advance the epoch by themselves; set_epoch always works).

@@ -27,6 +27,7 @@ __all__ = [
     "StorageUnavailableError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
+    "UnsupportedTorchError",
     "UntrustedStorageError",
     "WorkerDiedError",
 ]
@@ -161,3 +162,8 @@ class UntrustedStorageError(StorageError, PermissionError):
     """A handle or file this consumer refuses to touch: a network handle naming a path or bucket
     outside its ``trusted_roots``, or a file that is a symbolic link or not a regular file (a FIFO,
     a device, a directory). ``path`` names it."""
+
+
+class UnsupportedTorchError(StorageError, RuntimeError):
+    """The installed torch lacks (or changed) a private piece the DataLoader hooks rely on; the message says
+    which, and which torch releases have it."""

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ._dataloader import hooks
 from ._slots import retire_rings
 from .dataset import StorageDataset
 
@@ -61,7 +62,7 @@ class _ConsumedStateLoader(StatefulDataLoader):
     def mark_consumed(self) -> None:
         if self._yielded_states:
             self._consumed_state = self._yielded_states.popleft()
-        ledger = getattr(self._iterator, "_tsl_ledger", None)
+        ledger = getattr(hooks.loader_iterator(self), "_tsl_ledger", None)
         if ledger is not None:
             ledger.consumed()
 
@@ -194,10 +195,7 @@ class StorageDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         """Stop every worker of the loaders this module made and release their shared memory."""
         for loader in self._loaders:
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()  # as Lightning does for DataLoader's own iterators
-            loader._iterator = None
+            hooks.shutdown_iterator(loader)
         self._loaders.clear()
         self._train_loader = None
         retire_rings(dead_only=True)

@@ -12,33 +12,33 @@ fetches a batch ahead of the one it trains on) acknowledges only when told ``con
 the order items were yielded. Whatever is left when the iterator stops (a ``break``, an
 exception, workers killed, the next epoch of persistent workers) goes back to the source.
 
-The hooks wrap four methods of torch's ``_MultiProcessingDataLoaderIter`` (and of torchdata's
-``StatefulDataLoader`` iterator, which has the same protocol) and act only for iterators over a
-streaming ``StorageDataset``, or one with ``device=`` (whose items are finished on the trainer's
-thread as they are handed over: see ``_device``); other iterators are untouched. Under an
-iterator class without the hooks, a StorageDataset's workers acknowledge handles as they load them.
+The iterator's methods are wrapped by ``hooks`` (every touch of private torch is there); this
+module imports no torch: the ledger only reads and writes pipes and calls its source's ``ack``,
+``give_back`` and ``keep_alive``.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import secrets
-import sys
 import threading
 import time
-from typing import Any
-
-from torch._utils import ExceptionWrapper
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("torch_storage_loader")
 
 TAKE, DROP = "take", "drop"
 MAX_UNCONFIRMED = 2
+
+
+class LedgerRef(NamedTuple):
+    """What a dataset hands its DataLoader workers: the ledger's id and one pipe end per worker."""
+
+    id: str
+    writers: list
 
 
 class Ledger:
@@ -66,10 +66,13 @@ class Ledger:
         self._stop_r, self._stop_w = os.pipe()  # b"a": acknowledgements to send; b"x": stop
         os.set_blocking(self._stop_w, False)  # a full pipe already holds a wake-up
         self._acks: list = []  # delivered, to acknowledge from the thread (sources with slow acks)
-        self._ack_behind = bool(getattr(source, "ack_in_background", False))
-        self._keep_every = getattr(source, "keep_alive_every", None)
+        self._ack_behind = bool(source.ack_in_background)
+        self._keep_every = source.keep_alive_every
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
+
+    def ref(self) -> LedgerRef:
+        return LedgerRef(self.id, self.writers)
 
     def started(self) -> None:
         """The workers have their write ends: drop ours, so a reader sees EOF once they are gone."""
@@ -241,95 +244,3 @@ class LedgerWriter:
 
     def dropped(self, item: int, tokens: list) -> None:
         self._conn.send((DROP, self.incarnation, item, tokens))
-
-
-def _open(loader: Any) -> Ledger | None:
-    from .dataset import StorageDataset
-
-    ds = loader.dataset
-    if not isinstance(ds, StorageDataset) or ds.source.finite or loader.num_workers < 1:
-        return None
-    ctx = loader.multiprocessing_context or mp.get_context()
-    ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
-    ledger = Ledger(ds.source, loader.num_workers, ctx, confirm=bool(getattr(loader, "confirm_delivery", False)))
-    ds._ledger = (ledger.id, ledger.writers)
-    return ledger
-
-
-def install() -> None:
-    """Wrap torch's multiprocessing DataLoader iterator, and torchdata's if it is imported (idempotent)."""
-    import sys
-
-    from torch.utils.data import dataloader
-
-    _hook(dataloader._MultiProcessingDataLoaderIter)
-    stateful = sys.modules.get("torchdata.stateful_dataloader.stateful_dataloader")
-    if stateful is not None:
-        _hook(stateful._StatefulMultiProcessingDataLoaderIter)
-
-
-def _hook(cls: type) -> None:
-    if cls.__dict__.get("_tsl_delivery", False):
-        return
-    needed = ("__init__", "_reset", "_process_data", "_shutdown_workers")
-    if not all(callable(getattr(cls, n, None)) for n in needed):
-        logger.warning("%s lacks %s: streaming StorageDatasets acknowledge handles when loaded, not when "
-                       "the trainer gets them", cls.__name__, needed)
-        return
-    init, reset, process, shutdown = (getattr(cls, n) for n in needed)
-
-    @functools.wraps(init)
-    def __init__(self, loader, *args, **kwargs):
-        from . import _device
-
-        self._tsl_device = device = _device.loader_device(loader)
-        self._tsl_ledger = ledger = _open(loader)
-        try:
-            with _device.receive_ahead(loader, device):
-                init(self, loader, *args, **kwargs)
-        except BaseException:
-            if ledger is not None:
-                self._tsl_ledger = None
-                ledger.close()
-            raise
-        finally:
-            if ledger is not None:
-                loader.dataset._ledger = None
-                ledger.started()
-
-    @functools.wraps(reset)
-    def _reset(self, loader, first_iter=False, *args, **kwargs):
-        reset(self, loader, first_iter, *args, **kwargs)
-        ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None and not first_iter:
-            ledger.next_incarnation()
-
-    @functools.wraps(process)
-    def _process_data(self, data, worker_idx, *args, **kwargs):
-        ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None:
-            ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
-        out = process(self, data, worker_idx, *args, **kwargs)
-        device = getattr(self, "_tsl_device", None)
-        if device is not None:
-            from ._device import arrive
-
-            out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
-        return out
-
-    getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
-
-    @functools.wraps(shutdown)
-    def _shutdown_workers(self):
-        exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
-        try:
-            shutdown(self)
-        finally:
-            ledger = getattr(self, "_tsl_ledger", None)
-            if ledger is not None:
-                self._tsl_ledger = None
-                ledger.close(exhausted)
-
-    cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers = (
-        __init__, _reset, _process_data, _shutdown_workers)
-    cls._tsl_delivery = True

@@ -1,0 +1,326 @@
+"""Every touch of private PyTorch (and torchdata) in one module, checked when installed.
+
+What this library relies on, each checked by ``install()`` (or, for the GPU path's pin thread, by
+``pin_thread_unavailable()``); a torch that differs raises ``UnsupportedTorchError`` naming the
+piece and the torch releases known to have it: loudly, never a silent fallback.
+
+- ``torch.utils.data.dataloader._MultiProcessingDataLoaderIter`` (and torchdata's
+  ``_StatefulMultiProcessingDataLoaderIter``): ``__init__(self, loader, ...)``,
+  ``_reset(self, loader, first_iter=False, ...)``, ``_process_data(self, data, worker_idx, ...)``
+  (the worker's index is passed since torch's out-of-order support; before, ``(self, data)``) and
+  ``_shutdown_workers(self)``, called by ``_next_data`` once the data ends. They are wrapped for the
+  delivery ledger (``ledger``) and ``device=`` (``_device``); iterators over other datasets are
+  untouched.
+- ``torch._utils.ExceptionWrapper``: what a worker's failed item is.
+- ``torch.utils.data._utils.fetch._BaseDatasetFetcher``: its ``fetch(self, possibly_batched_index)``
+  frame is two to five frames above a dataset's first ``next()`` (``fetch_context``).
+- ``torch.utils.data._utils.collate``: ``collate``, ``default_collate``, ``default_convert`` and
+  ``default_collate_fn_map`` (the documented extension point of ``default_collate``).
+- ``DataLoader._iterator``: the iterator a (persistent) DataLoader keeps (``loader_iterator``).
+- The pin-memory thread: started when ``loader.pin_memory`` is true at the iterator's creation;
+  ``torch.utils.data._utils.pin_memory.pin_memory`` hands back an object whose ``pin_memory()``
+  returns itself.
+- ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import multiprocessing as mp
+import sys
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import dataloader as _torch_dataloader
+from torch.utils.data._utils import collate as _collate
+from torch.utils.data._utils import fetch as _fetch
+
+from ..errors import PinThreadUnavailable, UnsupportedTorchError
+from .ledger import Ledger, LedgerRef
+
+__all__ = ["Tracked", "collate", "default_collate", "fetch_context", "gpu_sleep", "install", "loader_iterator",
+           "pin_thread_for", "pin_thread_unavailable", "register_collate", "shutdown_iterator"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+NEEDS = "torch >= 2.7 (tested from 2.7.1), with torchdata >= 0.8 for StatefulDataLoader"
+
+collate = _collate.collate
+default_collate = _collate.default_collate
+default_convert = _collate.default_convert
+
+
+@runtime_checkable
+class Tracked(Protocol):
+    """A dataset whose DataLoader iterators the hooks act for (``StorageDataset``)."""
+
+    device: Any  # None, or where its batches go (finished on the trainer's thread as handed over)
+
+    def _tsl_delivery_source(self) -> Any:
+        """The streaming source whose handles the workers report to a ledger, or None (finite)."""
+
+    def _tsl_attach_ledger(self, ref: LedgerRef | None) -> None:
+        """Hand the ledger's pipes to the workers about to start (None once they have them)."""
+
+
+# ------------------------------------------------------------------------------ checks
+def _params(fn: Any) -> list[inspect.Parameter]:
+    return list(inspect.signature(fn).parameters.values())
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _check(cls: type, name: str, want: str, ok: Callable[[list[inspect.Parameter]], bool]) -> Callable:
+    fn = cls.__dict__.get(name) or getattr(cls, name, None)
+    if not callable(fn):
+        raise UnsupportedTorchError(f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has no {name}; "
+                                    f"torch_storage_loader needs {NEEDS}")
+    try:
+        good = ok(_params(fn))
+    except (TypeError, ValueError):
+        good = False
+    if not good:
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: {cls.__qualname__}.{name}{inspect.signature(fn)} is not {want}, which the "
+            f"delivery hooks wrap; torch_storage_loader needs {NEEDS}: install one (pip install 'torch>=2.7')")
+    return fn
+
+
+def check_iterator(cls: type) -> None:
+    """Raise ``UnsupportedTorchError`` unless ``cls`` has the methods the hooks wrap, as they are wrapped."""
+    def positional(names: int) -> Callable[[list[inspect.Parameter]], bool]:
+        return lambda ps: len(ps) >= names and all(p.kind in _POSITIONAL for p in ps[:names])
+
+    _check(cls, "__init__", "(self, loader, ...)", positional(2))
+    _check(cls, "_reset", "(self, loader, first_iter=False, ...)",
+           lambda ps: positional(3)(ps) and ps[2].name == "first_iter")
+    _check(cls, "_process_data", "(self, data, worker_idx, ...)", positional(3))
+    _check(cls, "_shutdown_workers", "(self)", lambda ps: len([p for p in ps if p.default is p.empty]) == 1)
+    next_data = _check(cls, "_next_data", "(self)", positional(1))
+    if "_shutdown_workers" not in getattr(next_data, "__code__", None).co_names:
+        raise UnsupportedTorchError(f"torch {torch.__version__}: {cls.__qualname__}._next_data no longer calls "
+                                    f"_shutdown_workers at the end of the data; torch_storage_loader needs {NEEDS}")
+
+
+def _check_fetcher() -> None:
+    base = getattr(_fetch, "_BaseDatasetFetcher", None)
+    fetchers = [getattr(_fetch, n, None) for n in ("_IterableDatasetFetcher", "_MapDatasetFetcher")]
+    if base is None or any(f is None or not issubclass(f, base) for f in fetchers):
+        raise UnsupportedTorchError(f"torch {torch.__version__}: torch.utils.data._utils.fetch lacks the dataset "
+                                    f"fetchers; torch_storage_loader needs {NEEDS}")
+    for f in fetchers:
+        _check(f, "fetch", "(self, possibly_batched_index)",
+               lambda ps: len(ps) == 2 and ps[1].name == "possibly_batched_index")
+    if not isinstance(getattr(_collate, "default_collate_fn_map", None), dict):
+        raise UnsupportedTorchError(f"torch {torch.__version__}: torch.utils.data._utils.collate has no "
+                                    f"default_collate_fn_map; torch_storage_loader needs {NEEDS}")
+
+
+# ------------------------------------------------------------------------------ install
+def _iterator_classes() -> list[type]:
+    classes = [_torch_dataloader._MultiProcessingDataLoaderIter]
+    try:
+        from torchdata.stateful_dataloader import stateful_dataloader
+    except ImportError:  # torchdata is optional for the hooks: only its loader needs them
+        return classes
+    return [*classes, stateful_dataloader._StatefulMultiProcessingDataLoaderIter]
+
+
+def install() -> None:
+    """Check what the hooks need and wrap the DataLoader iterator classes (idempotent)."""
+    _check_fetcher()
+    for cls in _iterator_classes():
+        if not cls.__dict__.get("_tsl_delivery", False):
+            check_iterator(cls)
+            _hook(cls)
+
+
+def register_collate(kind: type, fn: Callable) -> None:
+    """``default_collate`` calls ``fn(batch, collate_fn_map=...)`` for a batch of ``kind`` objects."""
+    _collate.default_collate_fn_map[kind] = fn
+
+
+def _open(loader: Any) -> Ledger | None:
+    ds = loader.dataset
+    if not isinstance(ds, Tracked) or loader.num_workers < 1:
+        return None
+    source = ds._tsl_delivery_source()
+    if source is None:
+        return None
+    ctx = loader.multiprocessing_context or mp.get_context()
+    ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
+    ledger = Ledger(source, loader.num_workers, ctx, confirm=bool(getattr(loader, "confirm_delivery", False)))
+    ds._tsl_attach_ledger(ledger.ref())
+    return ledger
+
+
+def _loader_device(loader: Any) -> Any:
+    ds = loader.dataset
+    if isinstance(ds, Tracked) and ds.device is not None and loader.num_workers > 0:
+        return ds.device
+    return None
+
+
+def _receive_ahead(loader: Any, device: Any) -> Any:
+    """Around the creation of an iterator for ``device=``: its results are received (and their copies
+    issued) on the DataLoader's pin-memory thread, ahead of the trainer, where the accelerator has one."""
+    from .. import _pinning
+
+    if device is None or not getattr(_pinning.accelerator(), "pin_thread", False):
+        return contextlib.nullcontext()
+    why = pin_thread_unavailable()
+    if why is not None:  # correct still, but each copy is issued when the trainer asks for its batch
+        if not _warned:
+            _warned.append(why)
+            logger.warning("device=: %s; batches are copied when the trainer asks for them, not ahead", why)
+        return contextlib.nullcontext()
+    return pin_thread_for(loader)
+
+
+_warned: list = []
+
+
+def _hook(cls: type) -> None:
+    init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
+
+    @functools.wraps(init)
+    def __init__(self, loader, *args, **kwargs):
+        self._tsl_device = device = _loader_device(loader)
+        self._tsl_ledger = ledger = _open(loader)
+        try:
+            with _receive_ahead(loader, device):
+                init(self, loader, *args, **kwargs)
+        except BaseException:
+            if ledger is not None:
+                self._tsl_ledger = None
+                ledger.close()
+            raise
+        finally:
+            if ledger is not None:
+                loader.dataset._tsl_attach_ledger(None)
+                ledger.started()
+
+    @functools.wraps(reset)
+    def _reset(self, loader, first_iter=False, *args, **kwargs):
+        reset(self, loader, first_iter, *args, **kwargs)
+        ledger = getattr(self, "_tsl_ledger", None)
+        if ledger is not None and not first_iter:
+            ledger.next_incarnation()
+
+    @functools.wraps(process)
+    def _process_data(self, data, worker_idx, *args, **kwargs):
+        ledger = getattr(self, "_tsl_ledger", None)
+        if ledger is not None:
+            ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
+        out = process(self, data, worker_idx, *args, **kwargs)
+        device = getattr(self, "_tsl_device", None)
+        if device is not None:
+            from .._device import arrive
+
+            out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
+        return out
+
+    getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
+
+    @functools.wraps(shutdown)
+    def _shutdown_workers(self):
+        exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
+        try:
+            shutdown(self)
+        finally:
+            ledger = getattr(self, "_tsl_ledger", None)
+            if ledger is not None:
+                self._tsl_ledger = None
+                ledger.close(exhausted)
+
+    cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers = (
+        __init__, _reset, _process_data, _shutdown_workers)
+    cls._tsl_delivery = True
+
+
+# ------------------------------------------------------------------------------ uses
+def fetch_context() -> tuple[bool, int]:
+    """(whether the DataLoader passes a dataset's items to a collate_fn of the user's, items per DataLoader item).
+
+    Called from a dataset iterator's first step, which torch's dataset fetcher runs: its
+    ``collate_fn`` is the DataLoader's. Ours (``default_collate`` with a ``register_collate`` entry,
+    or ``default_convert``) ship references; a user's function must see samples instead. With
+    DataLoader-side batching the fetcher asks for as many items as its index list is long.
+    """
+    frame = sys._getframe(2)  # above our caller (a generator's first step): what runs it
+    for _ in range(4):
+        if frame is None:
+            break
+        fetcher = frame.f_locals.get("self")
+        if isinstance(fetcher, _fetch._BaseDatasetFetcher):
+            index = frame.f_locals.get("possibly_batched_index")
+            per_item = len(index) if fetcher.auto_collation and hasattr(index, "__len__") else 1
+            return fetcher.collate_fn not in (default_collate, default_convert), max(1, per_item)
+        frame = frame.f_back
+    return False, 1
+
+
+def loader_iterator(loader: Any) -> Any:
+    """The iterator a DataLoader keeps (persistent workers), or None."""
+    return getattr(loader, "_iterator", None)
+
+
+def shutdown_iterator(loader: Any) -> None:
+    """Stop the workers of the iterator ``loader`` keeps, as Lightning does for DataLoader's own iterators."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+
+
+class _PassThrough:
+    def pin_memory(self, *args: Any, **kwargs: Any) -> "_PassThrough":
+        return self
+
+
+@functools.cache
+def pin_thread_unavailable() -> str | None:
+    """Why ``pin_thread_for`` cannot be used with this torch (None: it can)."""
+    try:
+        from torch.utils.data._utils.pin_memory import _pin_memory_loop, pin_memory
+    except ImportError as exc:
+        return f"torch.utils.data lacks the pin-memory thread ({exc})"
+    probe = _PassThrough()
+    if pin_memory(probe) is not probe:
+        return "torch's pin_memory() does not pass objects with a pin_memory method through"
+    base = getattr(_torch_dataloader, "_BaseDataLoaderIter", None)
+    if base is None or "pin_memory" not in getattr(base.__init__, "__code__", None).co_names:
+        return "torch's DataLoader iterator no longer reads loader.pin_memory when it starts"
+    del _pin_memory_loop
+    return None
+
+
+@contextlib.contextmanager
+def pin_thread_for(loader: Any) -> Iterator[None]:
+    """While a DataLoader iterator is created inside this block, it starts its pin-memory thread.
+
+    That thread unpickles the workers' results as they arrive, off the trainer's thread and ahead
+    of it: the GPU path issues each batch's copy there. ``loader.pin_memory`` is restored after.
+    """
+    why = pin_thread_unavailable()
+    if why is not None:
+        raise PinThreadUnavailable(why)
+    before = loader.pin_memory
+    loader.pin_memory = True
+    try:
+        yield
+    finally:
+        loader.pin_memory = before
+
+
+def gpu_sleep(cycles: int) -> None:
+    """Queue a kernel that spins ``cycles`` GPU cycles on the current stream (``torch.cuda._sleep``)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        raise UnsupportedTorchError(f"torch {torch.__version__} has no torch.cuda._sleep")
+    sleep(int(cycles))

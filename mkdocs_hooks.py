@@ -1,4 +1,5 @@
 """MkDocs hooks: publish benchmarks/figures (drawn by the benchmark scripts) as docs/figures at build time."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -50,15 +50,26 @@ class PickleFiles(IterableDataset):
 
 def large(i: int) -> dict:
     rng = np.random.default_rng(i)
-    return {"obs": rng.random((64, 4, 84, 84), dtype=np.float32), "action": rng.integers(0, 6, 64),
-            "reward": rng.random(64, dtype=np.float32), "done": np.zeros(64, bool)}
+    return {
+        "obs": rng.random((64, 4, 84, 84), dtype=np.float32),
+        "action": rng.integers(0, 6, 64),
+        "reward": rng.random(64, dtype=np.float32),
+        "done": np.zeros(64, bool),
+    }
 
 
 def small(i: int) -> list:
     rng = np.random.default_rng(i)
-    return [{"obs": rng.random(4, dtype=np.float32), "action": np.int64(rng.integers(6)),
-             "reward": np.float32(rng.random()), "done": np.bool_(False),
-             "next_obs": rng.random(4, dtype=np.float32)} for _ in range(64)]
+    return [
+        {
+            "obs": rng.random(4, dtype=np.float32),
+            "action": np.int64(rng.integers(6)),
+            "reward": np.float32(rng.random()),
+            "done": np.bool_(False),
+            "next_obs": rng.random(4, dtype=np.float32),
+        }
+        for _ in range(64)
+    ]
 
 
 def leaves(x):
@@ -108,8 +119,13 @@ def run(loader, epochs: int, step=None) -> dict:
                 step()
         del batch
     wall = time.perf_counter() - t0
-    return {"samples_per_s": round(n / wall, 1), "gb_per_s": round(nbytes / wall / 1e9, 3),
-            "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(wall, 3), "batches": n}
+    return {
+        "samples_per_s": round(n / wall, 1),
+        "gb_per_s": round(nbytes / wall / 1e9, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "wall_s": round(wall, 3),
+        "batches": n,
+    }
 
 
 def write_files(workdir: str, make, count: int) -> tuple[list, list[str]]:
@@ -145,8 +161,14 @@ def workload(name: str, make, count: int, epochs: int) -> dict:
     finally:
         shutil.rmtree(workdir)
     a, b, c = (rows[k]["samples_per_s"] for k in ("a_default_2_workers", "b_default_0_workers", "c_storage_dataset"))
-    return {"workload": name, "samples": count, "epochs": epochs, "paths": rows,
-            "c_over_a": round(c / a, 2), "c_over_b": round(c / b, 2)}
+    return {
+        "workload": name,
+        "samples": count,
+        "epochs": epochs,
+        "paths": rows,
+        "c_over_a": round(c / a, 2),
+        "c_over_b": round(c / b, 2),
+    }
 
 
 def burn(seconds: float) -> None:
@@ -210,11 +232,16 @@ def gpu_like(count: int, steps_ms: list[float], epochs: int, rounds: int) -> lis
     out = []
     try:
         loaders = make_loaders(workdir, large, count)
-        loaders = {"storage_dataset_2w": loaders["c_storage_dataset"],
-                   "default_2w": loaders["a_default_2_workers"],
-                   "in_process_0w": DataLoader(StorageDataset(list(loaders["c_storage_dataset"].dataset.source.handles)),
-                                               batch_size=None, num_workers=0),
-                   "resident_ceiling": Resident(large(0), count)}
+        loaders = {
+            "storage_dataset_2w": loaders["c_storage_dataset"],
+            "default_2w": loaders["a_default_2_workers"],
+            "in_process_0w": DataLoader(
+                StorageDataset(list(loaders["c_storage_dataset"].dataset.source.handles)),
+                batch_size=None,
+                num_workers=0,
+            ),
+            "resident_ceiling": Resident(large(0), count),
+        }
         for step_ms in steps_ms:
             runs: dict[str, list[dict]] = {k: [] for k in loaders}
             for _ in range(rounds):  # interleaved, so that noise from other processes hits every path
@@ -224,12 +251,20 @@ def gpu_like(count: int, steps_ms: list[float], epochs: int, rounds: int) -> lis
             for key, rs in runs.items():
                 fr = sorted(r["fraction"] for r in rs)
                 cpu = sorted(r["cpu_ms"] for r in rs)
-                paths[key] = {"fraction_of_ideal": round(fr[len(fr) // 2], 3),
-                              "all": [round(f, 3) for f in fr],
-                              "trainer_cpu_ms_per_batch": round(cpu[len(cpu) // 2], 3),
-                              "batches": rs[0]["batches"]}
-            out.append({"workload": "large 7 MB, GPU-like trainer (sleeps per batch)", "step_ms": step_ms,
-                        "rounds": rounds, "paths": paths})
+                paths[key] = {
+                    "fraction_of_ideal": round(fr[len(fr) // 2], 3),
+                    "all": [round(f, 3) for f in fr],
+                    "trainer_cpu_ms_per_batch": round(cpu[len(cpu) // 2], 3),
+                    "batches": rs[0]["batches"],
+                }
+            out.append(
+                {
+                    "workload": "large 7 MB, GPU-like trainer (sleeps per batch)",
+                    "step_ms": step_ms,
+                    "rounds": rounds,
+                    "paths": paths,
+                }
+            )
             print(json.dumps(out[-1]), flush=True)
         del loaders
     finally:
@@ -243,14 +278,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", type=int, default=64, help="lists of 64 transition dicts")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--burn-ms", type=float, default=20.0, help="CPU the compute-bound trainer burns per batch")
-    ap.add_argument("--step-ms", type=float, nargs="+", default=[5.0, 2.0],
-                    help="GPU-like trainer: sleep per batch (one or more values)")
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        nargs="+",
+        default=[5.0, 2.0],
+        help="GPU-like trainer: sleep per batch (one or more values)",
+    )
     ap.add_argument("--gpu-epochs", type=int, default=4, help="timed epochs over --large files per GPU-like run")
     ap.add_argument("--rounds", type=int, default=3, help="GPU-like runs per path and step (median printed)")
     ap.add_argument("--only", choices=("gpu", "throughput"), default=None)
-    ap.add_argument("--trainer-threads", type=int, default=1,
-                    help="torch intra-op threads of the trainer (0: torch's default). With 2 cores, one "
-                         "trainer thread leaves a core to the loading workers, as a tuned run would")
+    ap.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the trainer (0: torch's default). With 2 cores, one "
+        "trainer thread leaves a core to the loading workers, as a tuned run would",
+    )
     args = ap.parse_args(argv)
     if args.trainer_threads:
         torch.set_num_threads(args.trainer_threads)

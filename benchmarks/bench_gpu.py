@@ -33,11 +33,12 @@ import warnings
 
 import numpy as np
 import torch
+from bench_dataset import large, write_files  # the 7.2 MB trajectories, as storage and pickle files
 from torch.utils.data import DataLoader, Dataset
 
-from bench_dataset import large, write_files  # the 7.2 MB trajectories, as storage and pickle files
-from torch_storage_loader import StorageDataset, _pinning
-from torch_storage_loader._shm import ShmSegment, shm_dir
+from torch_storage_loader import StorageDataset
+from torch_storage_loader._shm import pinning as _pinning
+from torch_storage_loader._shm.segments import ShmSegment, shm_dir
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda") if CUDA else None
@@ -96,15 +97,23 @@ def h2d(args) -> None:
     seg = ShmSegment(256 << 20)
     ring = np.frombuffer(seg.mm, np.uint8)
     address = ring.ctypes.data
-    from torch_storage_loader._torch_internals import host_register, host_unregister
+    from torch_storage_loader._shm.cudart import host_register, host_unregister
 
     t = time.perf_counter()
     code, name = host_register(address, seg.size)
     reg_ms = (time.perf_counter() - t) * 1e3
-    row = {"section": "ceiling", "what": "host->GPU copies", "pinned_gb_s": round(rate(pinned), 1),
-           "pageable_gb_s": round(rate(pageable), 1), "bytes": n,
-           "shm_ring_pageable_gb_s": None, "shm_ring_registered_gb_s": None,
-           "register_256mb_ms": round(reg_ms, 1), "register_rc": code, "register_error": name}
+    row = {
+        "section": "ceiling",
+        "what": "host->GPU copies",
+        "pinned_gb_s": round(rate(pinned), 1),
+        "pageable_gb_s": round(rate(pageable), 1),
+        "bytes": n,
+        "shm_ring_pageable_gb_s": None,
+        "shm_ring_registered_gb_s": None,
+        "register_256mb_ms": round(reg_ms, 1),
+        "register_rc": code,
+        "register_error": name,
+    }
     src = torch.from_numpy(ring[:n])
     if code == 0:
         row["shm_ring_registered_gb_s"] = round(rate(src), 1)
@@ -118,7 +127,7 @@ def h2d(args) -> None:
 
 def _reader(paths: list[str], slot: int, seconds: float, start, out) -> None:
     seg = ShmSegment(4 * slot)
-    views = [memoryview(seg.mm)[k * slot: (k + 1) * slot] for k in range(4)]
+    views = [memoryview(seg.mm)[k * slot : (k + 1) * slot] for k in range(4)]
     for k, p in enumerate(paths):  # warm up: buffers touched, files in the page cache
         with open(p, "rb", buffering=0) as f:
             f.readinto(views[k % 4])
@@ -156,7 +165,7 @@ def raw_one(paths: list[str], rounds: int, slots: bool) -> float:
     size = max(os.path.getsize(p) for p in paths)
     if slots:
         seg = ShmSegment(4 * size)
-        bufs = [memoryview(seg.mm)[k * size: (k + 1) * size] for k in range(4)]
+        bufs = [memoryview(seg.mm)[k * size : (k + 1) * size] for k in range(4)]
     else:
         seg, bufs = None, [memoryview(bytearray(size))]
     for k, p in enumerate(paths[: len(bufs)]):  # touch the buffers first
@@ -186,8 +195,9 @@ def loader(kind: str, handles, pickles, workers: int, batch: int = 4):
     if kind == "ours_pinned":
         return DataLoader(StorageDataset(handles, batch_size=batch), batch_size=None, pin_memory=CUDA, **kw)
     if kind == "ours_device":
-        return DataLoader(StorageDataset(handles, batch_size=batch, device="cuda" if CUDA else None),
-                          batch_size=None, **kw)
+        return DataLoader(
+            StorageDataset(handles, batch_size=batch, device="cuda" if CUDA else None), batch_size=None, **kw
+        )
     raise ValueError(kind)
 
 
@@ -220,8 +230,13 @@ def stream(dl, epochs: int) -> dict:
     if CUDA:
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-    return {"gb_s": round(moved / wall / 1e9, 2), "trainer_ms_per_batch": round(cpu / n * 1e3, 3),
-            "trainer_busy": round(cpu / wall, 2), "batches": n, "pinned_bytes": _pinning.pinned_bytes()}
+    return {
+        "gb_s": round(moved / wall / 1e9, 2),
+        "trainer_ms_per_batch": round(cpu / n * 1e3, 3),
+        "trainer_busy": round(cpu / wall, 2),
+        "batches": n,
+        "pinned_bytes": _pinning.pinned_bytes(),
+    }
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -231,9 +246,17 @@ class CNN(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(4, 32, 8, 4), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 4, 2), torch.nn.ReLU(),
-            torch.nn.Conv2d(64, 64, 3, 1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(3136, 512),
-            torch.nn.ReLU(), torch.nn.Linear(512, 6))
+            torch.nn.Conv2d(4, 32, 8, 4),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 4, 2),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(64, 64, 3, 1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(3136, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 6),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -307,7 +330,12 @@ def lightning_fits(handles, pickles, gpu_batch, repeats: int, steps: int, worker
             loss = 0
             for _ in range(repeats):
                 q = self.cnn(x)
-                loss = loss + (q.gather(1, batch["action"].reshape(-1, 1)).squeeze(1) - batch["reward"].reshape(-1)).pow(2).mean()
+                loss = (
+                    loss
+                    + (q.gather(1, batch["action"].reshape(-1, 1)).squeeze(1) - batch["reward"].reshape(-1))
+                    .pow(2)
+                    .mean()
+                )
             self.log("loss", loss)  # Lightning syncs it for the progress (as trainers do)
             return loss
 
@@ -341,9 +369,18 @@ def lightning_fits(handles, pickles, gpu_batch, repeats: int, steps: int, worker
         from lightning.fabric.plugins.environments import LightningEnvironment
 
         clock = Clock()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                             default_root_dir=tempfile.gettempdir(), plugins=[LightningEnvironment()])
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[clock],
+            default_root_dir=tempfile.gettempdir(),
+            plugins=[LightningEnvironment()],
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(Model(), **data)
@@ -371,30 +408,42 @@ def table() -> str:
     for r in ROWS:
         s = r["section"]
         if s == "ceiling" and "pinned_gb_s" in r:
-            lines.append(f"| host->GPU pinned / pageable / shm ring pageable / shm ring registered | {r['pinned_gb_s']} / "
-                         f"{r['pageable_gb_s']} / {r['shm_ring_pageable_gb_s']} / {r['shm_ring_registered_gb_s']} GB/s; "
-                         f"registering 256 MB: {r['register_256mb_ms']} ms (rc {r['register_rc']}) |")
+            lines.append(
+                f"| host->GPU pinned / pageable / shm ring pageable / shm ring registered | {r['pinned_gb_s']} / "
+                f"{r['pageable_gb_s']} / {r['shm_ring_pageable_gb_s']} / {r['shm_ring_registered_gb_s']} GB/s; "
+                f"registering 256 MB: {r['register_256mb_ms']} ms (rc {r['register_rc']}) |"
+            )
         elif s == "ceiling" and "readinto_gb_s" in r:
-            lines.append(f"| page cache -> mapped slots, readinto, {r['procs']} processes | {r['readinto_gb_s']} GB/s |")
+            lines.append(
+                f"| page cache -> mapped slots, readinto, {r['procs']} processes | {r['readinto_gb_s']} GB/s |"
+            )
         elif s == "one_worker":
-            lines.append(f"| one worker, {r['batch']}: ours / raw readinto (warm buffer; 4 mapped slots) | "
-                         f"{r['ours_gb_s']} / {r['raw_gb_s']}; {r['raw_slots_gb_s']} GB/s = "
-                         f"{r['ratio']}; {r['ratio_slots']} |")
+            lines.append(
+                f"| one worker, {r['batch']}: ours / raw readinto (warm buffer; 4 mapped slots) | "
+                f"{r['ours_gb_s']} / {r['raw_gb_s']}; {r['raw_slots_gb_s']} GB/s = "
+                f"{r['ratio']}; {r['ratio_slots']} |"
+            )
         elif s == "files_to_gpu":
-            lines.append(f"| files->{'GPU' if CUDA else 'host'}, {r['path']}, {r['workers']} workers | {r['gb_s']} GB/s "
-                         f"({r['of_ceiling']} of the readinto ceiling), trainer thread {r['trainer_ms_per_batch']} "
-                         f"ms/batch, trainer fraction {r.get('trainer_fraction', '-')} |")
+            lines.append(
+                f"| files->{'GPU' if CUDA else 'host'}, {r['path']}, {r['workers']} workers | {r['gb_s']} GB/s "
+                f"({r['of_ceiling']} of the readinto ceiling), trainer thread {r['trainer_ms_per_batch']} "
+                f"ms/batch, trainer fraction {r.get('trainer_fraction', '-')} |"
+            )
         elif s == "trainer_calibration":
-            lines.append(f"| trainer: CNN step x{r['repeats']}, resident loop | {r['resident_ms_per_batch']} ms per batch |")
+            lines.append(
+                f"| trainer: CNN step x{r['repeats']}, resident loop | {r['resident_ms_per_batch']} ms per batch |"
+            )
         elif s == "error":
             lines.append(f"| error in {r.get('in') or (r.get('path'), r.get('workers'))} | {r['error'][:200]} |")
         elif "skipped" in r:
             lines.append(f"| {s} | skipped: {r['skipped']} |")
         elif s == "lightning":
             f = r["fraction_of_in_ram"]
-            lines.append(f"| Lightning fit, {r['workers']} workers, fraction of in-RAM ({f['in_ram_samples_s']} samples/s): "
-                         f"device= / pinned slots / pin thread / default | {f['ours_device']} / {f['ours_pinned']} / "
-                         f"{f['ours_pin_thread']} / {f['default']} |")
+            lines.append(
+                f"| Lightning fit, {r['workers']} workers, fraction of in-RAM ({f['in_ram_samples_s']} samples/s): "
+                f"device= / pinned slots / pin thread / default | {f['ours_device']} / {f['ours_pinned']} / "
+                f"{f['ours_pin_thread']} / {f['default']} |"
+            )
     return "\n".join(lines)
 
 
@@ -409,8 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fit-steps", type=int, default=100)
     ap.add_argument("--fit-workers", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=1.0, help="per readinto ceiling")
-    ap.add_argument("--only", nargs="+", default=None,
-                    choices=["ceilings", "one_worker", "files_to_gpu", "lightning"])
+    ap.add_argument("--only", nargs="+", default=None, choices=["ceilings", "one_worker", "files_to_gpu", "lightning"])
     ap.add_argument("--quick", action="store_true", help="a smoke test: few files, short runs")
     ap.add_argument("--json-out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -418,14 +466,23 @@ def main(argv: list[str] | None = None) -> None:
         args.samples, args.epochs, args.train_epochs, args.seconds, args.fit_steps = 16, 1, 1, 0.3, 15
         args.workers = [w for w in args.workers if w <= 2] or [2]
     if args.json_out:
-        OUT = open(args.json_out, "a")
+        OUT = open(args.json_out, "a")  # noqa: SIM115 -- the JSON lines file stays open for the whole run
     only = set(args.only or ["ceilings", "one_worker", "files_to_gpu", "lightning"])
     torch.set_num_threads(1)
     st = os.statvfs(shm_dir())
-    emit({"section": "machine", "cuda": CUDA, "device": torch.cuda.get_device_name() if CUDA else None,
-          "torch": torch.__version__, "cpus": os.cpu_count(), "shm_dir": shm_dir(),
-          "shm_gb": round(st.f_blocks * st.f_frsize / 1e9, 1), "python": sys.version.split()[0],
-          "memlock": _memlock()})
+    emit(
+        {
+            "section": "machine",
+            "cuda": CUDA,
+            "device": torch.cuda.get_device_name() if CUDA else None,
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "shm_dir": shm_dir(),
+            "shm_gb": round(st.f_blocks * st.f_frsize / 1e9, 1),
+            "python": sys.version.split()[0],
+            "memlock": _memlock(),
+        }
+    )
     workdir = tempfile.mkdtemp(prefix="tsl-bench-gpu-")
     try:
         handles, pickles = write_files(workdir, large, args.samples)
@@ -459,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
 def guarded(section, *args) -> None:
     try:
         section(*args)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- one failed section is reported and the others still run
         import traceback
 
         traceback.print_exc()
@@ -478,7 +535,7 @@ def one_worker(handles, paths, args) -> None:
         ds = StorageDataset(handles, batch_size=batch)
         dl = DataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True, prefetch_factor=4)
         ours, raw, raw_slots = [], [], []
-        for b in dl:
+        for b in dl:  # noqa: B007 -- warm-up epoch; the last batch is dropped below
             pass
         del b
         for _ in range(3):  # interleaved: noise hits all three
@@ -493,9 +550,17 @@ def one_worker(handles, paths, args) -> None:
             raw_slots.append(raw_one(paths, args.epochs, True))
         del dl
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        emit({"section": "one_worker", "batch": "single samples" if batch is None else f"batches of {batch}",
-              "ours_gb_s": round(med(ours), 2), "raw_gb_s": round(med(raw), 2), "raw_slots_gb_s": round(med(raw_slots), 2),
-              "ratio": round(med(ours) / med(raw), 2), "ratio_slots": round(med(ours) / med(raw_slots), 2)})
+        emit(
+            {
+                "section": "one_worker",
+                "batch": "single samples" if batch is None else f"batches of {batch}",
+                "ours_gb_s": round(med(ours), 2),
+                "raw_gb_s": round(med(raw), 2),
+                "raw_slots_gb_s": round(med(raw_slots), 2),
+                "ratio": round(med(ours) / med(raw), 2),
+                "ratio_slots": round(med(ours) / med(raw_slots), 2),
+            }
+        )
 
 
 def files_to_gpu(handles, pickles, args, ceiling) -> None:
@@ -506,8 +571,14 @@ def files_to_gpu(handles, pickles, args, ceiling) -> None:
         step = make_step(repeats)
         n = args.train_epochs * (len(handles) // 4)
         resident_s = resident(gpu_batch, step, n) / n
-        emit({"section": "trainer_calibration", "repeats": repeats, "one_step_ms": round(one_ms, 2),
-              "resident_ms_per_batch": round(resident_s * 1e3, 2)})
+        emit(
+            {
+                "section": "trainer_calibration",
+                "repeats": repeats,
+                "one_step_ms": round(one_ms, 2),
+                "resident_ms_per_batch": round(resident_s * 1e3, 2),
+            }
+        )
         del gpu_batch
     for workers in args.workers:
         for kind in ("default", "ours_pin_thread", "ours_pinned", "ours_device"):
@@ -521,7 +592,7 @@ def files_to_gpu(handles, pickles, args, ceiling) -> None:
                     wall, n = train(dl, step, args.train_epochs)
                     row["trainer_fraction"] = round(resident_s * n / wall, 3)
                 emit(row)
-            except Exception as exc:  # one failed run (say, /dev/shm too small) does not stop the others
+            except Exception as exc:  # noqa: BLE001 -- one failed run (say, /dev/shm too small) does not stop the others
                 emit({"section": "error", "path": kind, "workers": workers, "error": f"{type(exc).__name__}: {exc}"})
             del dl
             set_pinning("ours_pinned")

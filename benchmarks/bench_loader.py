@@ -35,8 +35,10 @@ def trajectory(i: int) -> dict:
 
 
 def sample_bytes(sample: dict) -> list[memoryview]:
-    return [memoryview(np.ascontiguousarray(v if isinstance(v, np.ndarray) else v.numpy())).cast("B")
-            for v in sample.values()]
+    return [
+        memoryview(np.ascontiguousarray(v if isinstance(v, np.ndarray) else v.numpy())).cast("B")
+        for v in sample.values()
+    ]
 
 
 def timed(fn):
@@ -47,8 +49,12 @@ def timed(fn):
 
 def figures(name: str, n: int, nbytes: int, wall: float, cpu: float) -> dict:
     gb = nbytes / 1e9
-    return {"path": name, "samples_per_s": round(n / wall, 1), "gb_per_s": round(gb / wall, 3),
-            "main_cpu_s_per_gb": round(cpu / gb, 3)}
+    return {
+        "path": name,
+        "samples_per_s": round(n / wall, 1),
+        "gb_per_s": round(gb / wall, 3),
+        "main_cpu_s_per_gb": round(cpu / gb, 3),
+    }
 
 
 def bench_save(workdir: str, samples: list[dict], rounds: int = 3) -> dict:
@@ -80,10 +86,14 @@ def bench_save(workdir: str, samples: list[dict], rounds: int = 3) -> dict:
     clean()
     loader.shutdown()
     shutil.rmtree(raw_dir)
-    return {"bench": "save", "samples": len(samples), "bytes": nbytes,
-            "raw_write_gb_per_s": round(nbytes / results["raw_write"] / 1e9, 3),
-            "save_gb_per_s": round(nbytes / results["save"] / 1e9, 3),
-            "save_over_raw": round(results["raw_write"] / results["save"], 3)}
+    return {
+        "bench": "save",
+        "samples": len(samples),
+        "bytes": nbytes,
+        "raw_write_gb_per_s": round(nbytes / results["raw_write"] / 1e9, 3),
+        "save_gb_per_s": round(nbytes / results["save"] / 1e9, 3),
+        "save_over_raw": round(results["raw_write"] / results["save"], 3),
+    }
 
 
 def own_copy(obj: dict) -> dict:
@@ -91,12 +101,13 @@ def own_copy(obj: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in obj.items()}
 
 
-def bench_load(workdir: str, samples: list[dict], consumer: str, workers: int, inflight: int | None = None,
-               rounds: int = 3) -> dict:
+def bench_load(
+    workdir: str, samples: list[dict], consumer: str, workers: int, inflight: int | None = None, rounds: int = 3
+) -> dict:
     n = len(samples)
     storages = [FileStorage(os.path.join(workdir, f"{i}.tsl")) for i in range(n)]
     pickles = [os.path.join(workdir, f"{i}.pkl") for i in range(n)]
-    for s, p, sample in zip(storages, pickles, samples):
+    for s, p, sample in zip(storages, pickles, samples, strict=False):
         s.save(sample)
         with open(p, "wb") as f:
             pickle.dump(sample, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -128,7 +139,7 @@ def bench_load(workdir: str, samples: list[dict], consumer: str, workers: int, i
 
     options = {} if inflight is None else {"max_inflight_per_worker": inflight}
     loader = FileStorageLoader(os.path.join(workdir, "unused"), worker_num=workers, **options)
-    for s in storages[:workers * 2]:  # start the workers and size their rings
+    for s in storages[: workers * 2]:  # start the workers and size their rings
         loader.load_async(s).result()
     done = threading.Semaphore(0)
 
@@ -136,6 +147,7 @@ def bench_load(workdir: str, samples: list[dict], consumer: str, workers: int, i
         def cb(obj):
             consume(obj)
             done.release()
+
         for s in storages:
             loader.load(s, cb)
         for _ in storages:
@@ -160,7 +172,8 @@ def bench_load(workdir: str, samples: list[dict], consumer: str, workers: int, i
     out["paths"] = list(rows.values())
     out["loader_over_pickle_throughput"] = round(rows["loader"]["gb_per_s"] / rows["pickle_load"]["gb_per_s"], 2)
     out["loader_cpu_per_gb_over_pickle"] = round(
-        rows["loader"]["main_cpu_s_per_gb"] / rows["pickle_load"]["main_cpu_s_per_gb"], 3)
+        rows["loader"]["main_cpu_s_per_gb"] / rows["pickle_load"]["main_cpu_s_per_gb"], 3
+    )
     out["loader_stats"] = {k: stats.as_dict()[k] for k in ("slot_loads", "fallbacks", "regrows")}
     return out
 
@@ -178,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     workdir = tempfile.mkdtemp(prefix="tsl-bench-")
     try:
         for consumer in args.consumers:
-            print(json.dumps(bench_load(workdir, samples, consumer, args.workers, args.inflight, args.rounds)), flush=True)
+            print(
+                json.dumps(bench_load(workdir, samples, consumer, args.workers, args.inflight, args.rounds)), flush=True
+            )
         if not args.no_save:
             print(json.dumps(bench_save(workdir, samples)), flush=True)
     finally:

@@ -26,17 +26,21 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _s3_server import start_server, stop_server  # noqa: E402  (the tests' server)
+from _s3_server import start_server, stop_server
 
-from torch_storage_loader import FileStorageLoader, StorageDataset  # noqa: E402
-from torch_storage_loader import _objects  # noqa: E402
+from torch_storage_loader import FileStorageLoader, StorageDataset
+from torch_storage_loader._stores import s3 as _s3
 
 
 def trajectory(i: int, mb: float) -> dict:
     steps = max(1, int(mb * 1e6 / (84 * 84 * 4)))
     rng = np.random.default_rng(i)
-    return {"obs": rng.random((steps, 84, 84), dtype=np.float32), "action": np.full(steps, i, np.int64),
-            "reward": rng.random(steps, dtype=np.float32), "info": {"id": i}}
+    return {
+        "obs": rng.random((steps, 84, 84), dtype=np.float32),
+        "action": np.full(steps, i, np.int64),
+        "reward": rng.random(steps, dtype=np.float32),
+        "info": {"id": i},
+    }
 
 
 def timed(n: int, nbytes: int, run) -> tuple[float, float]:
@@ -58,8 +62,14 @@ def _read_all(kind: str, endpoint: str, key: str, secret: str, urls: list[str]) 
         def read(url):
             bucket, name = url.split("/", 3)[2:]
             if bucket not in stores:
-                stores[bucket] = S3Store(bucket, endpoint=endpoint, access_key_id=key, secret_access_key=secret,
-                                         region="us-east-1", client_options={"allow_http": True})
+                stores[bucket] = S3Store(
+                    bucket,
+                    endpoint=endpoint,
+                    access_key_id=key,
+                    secret_access_key=secret,
+                    region="us-east-1",
+                    client_options={"allow_http": True},
+                )
             return obstore.get(stores[bucket], name).bytes()
     else:
         import s3fs
@@ -83,6 +93,7 @@ class _Clients:
     def client(self, kind: str):
         def run():
             return self.pool.apply(_read_all, (kind, *self.args))  # the child's own timing
+
         return run
 
     def close(self) -> None:
@@ -103,8 +114,10 @@ def main() -> None:
         bucket = server.make_bucket()
         opts = server.storage_options
         samples = [trajectory(i, args.mb) for i in range(args.n)]
-        with FileStorageLoader(f"s3://{bucket}/bench", ttl=None, worker_num=2, storage_options=opts) as s3_loader, \
-                FileStorageLoader(local, ttl=None, worker_num=2) as local_loader:
+        with (
+            FileStorageLoader(f"s3://{bucket}/bench", ttl=None, worker_num=2, storage_options=opts) as s3_loader,
+            FileStorageLoader(local, ttl=None, worker_num=2) as local_loader,
+        ):
             s3_handles = [s3_loader.save(x) for x in samples]
             local_handles = [local_loader.save(x) for x in samples]
             nbytes = sum(h.size for h in s3_handles)
@@ -117,17 +130,19 @@ def main() -> None:
                     def run():
                         for f in [loader.load_async(h) for h in handles]:
                             f.result()
+
                     return run
 
                 def through_dataloader(handles, s3fs_only=False):
                     def run():
-                        poisoned = _objects._obstore_poisoned
-                        _objects._obstore_poisoned = s3fs_only  # forked workers inherit it: s3fs reads
+                        poisoned = _s3._obstore_poisoned
+                        _s3._obstore_poisoned = s3fs_only  # forked workers inherit it: s3fs reads
                         try:
                             for _ in DataLoader(StorageDataset(handles), batch_size=None, num_workers=2):
                                 pass
                         finally:
-                            _objects._obstore_poisoned = poisoned
+                            _s3._obstore_poisoned = poisoned
+
                     return run
 
                 # The clients alone run in a process of their own: obstore's runtime, once started
@@ -157,8 +172,10 @@ def main() -> None:
                             best[name] = got
             clients.close()
         base = best["load_async, local files"][0]
-        print(f"{args.n} trajectories of {nbytes / args.n / 1e6:.1f} MB, best of {args.rounds} rounds, "
-              f"{os.cpu_count()} cores, SeaweedFS {server.endpoint}")
+        print(
+            f"{args.n} trajectories of {nbytes / args.n / 1e6:.1f} MB, best of {args.rounds} rounds, "
+            f"{os.cpu_count()} cores, SeaweedFS {server.endpoint}"
+        )
         print(f"{'path':48s} {'samples/s':>10s} {'GB/s':>6s} {'vs load_async local':>20s}")
         for name, (rate, gbs) in best.items():
             print(f"{name:48s} {rate:10.1f} {gbs:6.2f} {rate / base:20.2f}")

@@ -34,8 +34,10 @@ def _server() -> tuple[subprocess.Popen, str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     d = tempfile.mkdtemp(prefix="tsl-bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", d,
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", d, "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     import redis
 
@@ -82,8 +84,13 @@ def _save(directory: str, n: int, steps: int, size: int) -> list[str]:
     paths = []
     for i in range(n):
         path = os.path.join(directory, f"{i:06d}.tsl")
-        FileStorage(path + ".part").save({"obs": np.full((steps, 4, size, size), i % 251, np.float32),
-                                          "reward": np.zeros(steps, np.float32), "id": i})
+        FileStorage(path + ".part").save(
+            {
+                "obs": np.full((steps, 4, size, size), i % 251, np.float32),
+                "reward": np.zeros(steps, np.float32),
+                "id": i,
+            }
+        )
         os.rename(path + ".part", path)
         paths.append(path)
     return paths
@@ -133,9 +140,11 @@ def main() -> None:
     if url is None:
         proc, url, directory = _server()
     try:
-        rows = [("StorageQueue (local, mp.Queue)", *bench_local(handles)),
-                ("RedisStorageQueue prefetch=1", *bench_redis(url, handles, 1)),
-                ("RedisStorageQueue prefetch=16", *bench_redis(url, handles, 16))]
+        rows = [
+            ("StorageQueue (local, mp.Queue)", *bench_local(handles)),
+            ("RedisStorageQueue prefetch=1", *bench_redis(url, handles, 1)),
+            ("RedisStorageQueue prefetch=16", *bench_redis(url, handles, 16)),
+        ]
         work = tempfile.mkdtemp(prefix="tsl-bench-queue-")
         small = bench_end_to_end(url, os.path.join(work, "small"), args.small, 4, 8)
         large = bench_end_to_end(url, os.path.join(work, "large"), args.large, 64, 84)

@@ -21,9 +21,9 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _redis_server import RedisServer  # noqa: E402  (the tests' server)
+from _redis_server import RedisServer
 
-from torch_storage_loader import FileStorage, RedisStorageQueue  # noqa: E402
+from torch_storage_loader import FileStorage, RedisStorageQueue
 
 SETTINGS = {
     "no persistence": ("--appendonly", "no"),

@@ -45,7 +45,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 
 import numpy as np
 
@@ -53,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from _redis_cluster import RedisClusterServers  # noqa: E402  (the tests' servers)
-from _redis_server import RedisServer, _gone  # noqa: E402
+from _redis_server import RedisServer  # noqa: E402
 from _s3_server import S3Server  # noqa: E402
 
 KINDS = ("collector", "trainer", "redis", "store", "network")
@@ -62,6 +61,7 @@ TICK_S = 1.0  # progress, CPU sampling and the plot's bins
 
 
 # -- collectors and trainers (module level: started through the forkserver) ------------------------
+
 
 def _die_with_parent() -> None:
     """SIGKILL this process when its parent (the forkserver, gone with the orchestrator) dies.
@@ -110,8 +110,14 @@ def collector(k: int, incarnation: int, cfg: dict) -> None:
     small = np.zeros(int(cfg["small_kb"] * 1e3), np.uint8)
     if cfg["store"] == "s3":
         configure_object_store(cfg["root"], cfg["s3"], retry_timeout=cfg["retry_s"])
-    queue = RedisStorageQueue(cfg["url"], STREAM, cluster=cfg["cluster"], replicas=cfg["replicas"],
-                              retry_for=cfg["retry_s"], producer_timeout=cfg["producer_timeout"])
+    queue = RedisStorageQueue(
+        cfg["url"],
+        STREAM,
+        cluster=cfg["cluster"],
+        replicas=cfg["replicas"],
+        retry_timeout=cfg["retry_s"],
+        producer_timeout=cfg["producer_timeout"],
+    )
     fd = _log(os.path.join(cfg["work"], f"put-{k}-{incarnation}.log"))
     root = f"{cfg['root']}/c{k}" if cfg["store"] == "s3" else os.path.join(cfg["root"], f"c{k}")
     with FileStorageLoader(root, ttl=None, worker_num=1) as loader, queue.producer(f"collector-{k}"):
@@ -125,7 +131,7 @@ def collector(k: int, incarnation: int, cfg: dict) -> None:
                 handle = loader.save(traj)
                 t0 = time.time()
                 entry = queue.put(handle)
-            except Exception as exc:  # counted: never acknowledged, so never "produced"
+            except Exception as exc:  # noqa: BLE001 -- counted: never acknowledged, so never "produced"
                 os.write(fd, f"error {time.time():.6f} {type(exc).__name__}\n".encode())
                 continue
             os.write(fd, f"put {k} {incarnation} {seq} {t0:.6f} {time.time():.6f} {data.nbytes} {entry}\n".encode())
@@ -141,14 +147,21 @@ def trainer(j: int, incarnation: int, cfg: dict) -> None:
 
     if cfg["store"] == "s3":
         configure_object_store(cfg["root"], cfg["s3"], retry_timeout=cfg["retry_s"])
-    queue = RedisStorageQueue(cfg["url"], STREAM, cluster=cfg["cluster"], retry_for=cfg["retry_s"],
-                              claim_after=cfg["claim_after"], producer_timeout=cfg["producer_timeout"],
-                              trusted_roots=[cfg["root"]])  # the collectors write under it
+    queue = RedisStorageQueue(
+        cfg["url"],
+        STREAM,
+        cluster=cfg["cluster"],
+        retry_timeout=cfg["retry_s"],
+        claim_after=cfg["claim_after"],
+        producer_timeout=cfg["producer_timeout"],
+        trusted_roots=[cfg["root"]],
+    )  # the collectors write under it
     fd = _log(os.path.join(cfg["work"], f"got-{j}-{incarnation}.log"))
     dataset = StorageDataset(queue, on_error="skip")
     # A trainer killed takes its DataLoader workers along (as a crashed node would).
-    loader = DataLoader(dataset, batch_size=None, num_workers=2, worker_init_fn=_worker_init,
-                        multiprocessing_context="fork")  # fast: the trainer has all it needs imported
+    loader = DataLoader(
+        dataset, batch_size=None, num_workers=2, worker_init_fn=_worker_init, multiprocessing_context="fork"
+    )  # fast: the trainer has all it needs imported
     os.write(fd, f"start {time.time():.6f}\n".encode())
     ready = time.time()
     for sample in loader:
@@ -164,6 +177,7 @@ def trainer(j: int, incarnation: int, cfg: dict) -> None:
 
 
 # -- a TCP proxy that can drop every connection ---------------------------------------------------
+
 
 def proxy(routes: list[tuple[int, int]], commands, ready) -> None:
     """Forward 127.0.0.1:listen -> 127.0.0.1:target for each route; on b"drop", close every connection
@@ -200,6 +214,7 @@ def proxy(routes: list[tuple[int, int]], commands, ready) -> None:
                     await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
                 finally:
                     live.discard(pair)
+
             return handle
 
         servers = [await asyncio.start_server(handler(t), "127.0.0.1", port) for port, t in routes]
@@ -227,14 +242,22 @@ def _free_port() -> int:
 
 # -- the orchestrator ------------------------------------------------------------------------------
 
+
 class Fleet:
     def __init__(self, args) -> None:
         self.args = args
         self.kinds = list(KINDS) if args.faults == "all" else [] if args.faults == "none" else args.faults.split(",")
         self.work = tempfile.mkdtemp(prefix="tsl-fleet-")
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["numpy", "torch", "torch_storage_loader.dataset",
-                                         "torch_storage_loader.file_loader", "torch_storage_loader.redis_queue"])
+        self.ctx.set_forkserver_preload(
+            [
+                "numpy",
+                "torch",
+                "torch_storage_loader.dataset",
+                "torch_storage_loader.file_loader",
+                "torch_storage_loader.redis_queue",
+            ]
+        )
         self.collectors: dict[int, tuple[mp.Process, int]] = {}
         self.trainers: dict[int, tuple[mp.Process, int]] = {}
         self.faults: list[tuple[str, float]] = []
@@ -275,17 +298,31 @@ class Fleet:
             self.proxy = self.ctx.Process(target=proxy, args=(routes, theirs, ready), daemon=True)
             self.proxy.start()
             ready.wait(30)
-        via = dict((t, p) for p, t in routes)
+        via = {t: p for p, t in routes}
         url = f"redis://127.0.0.1:{via.get(redis_port, redis_port)}/0"
-        cfg = {"url": url, "cluster": a.redis_cluster, "stop": os.path.join(self.work, "stop"), "replicas": 1 if a.redis_cluster else 0,
-               "store": a.store, "work": self.work, "seed": a.seed, "large_mb": a.large_mb, "small_kb": a.small_kb,
-               "large_fraction": a.large_fraction, "rollout_s": a.rollout_ms / 1000, "step_s": a.step_ms / 1000,
-               "claim_after": a.claim_after, "retry_s": 120.0, "producer_timeout": 30.0,
-               "per_collector": max(1, math.ceil(a.max_handles / a.collectors))}
+        cfg = {
+            "url": url,
+            "cluster": a.redis_cluster,
+            "stop": os.path.join(self.work, "stop"),
+            "replicas": 1 if a.redis_cluster else 0,
+            "store": a.store,
+            "work": self.work,
+            "seed": a.seed,
+            "large_mb": a.large_mb,
+            "small_kb": a.small_kb,
+            "large_fraction": a.large_fraction,
+            "rollout_s": a.rollout_ms / 1000,
+            "step_s": a.step_ms / 1000,
+            "claim_after": a.claim_after,
+            "retry_s": 120.0,
+            "producer_timeout": 30.0,
+            "per_collector": max(1, math.ceil(a.max_handles / a.collectors)),
+        }
         if a.store == "s3":
             endpoint = f"http://127.0.0.1:{via.get(s3_port, s3_port)}"
-            cfg.update(root="s3://fleet/run", s3={"key": S3Server.KEY, "secret": S3Server.SECRET,
-                                                   "endpoint_url": endpoint})
+            cfg.update(
+                root="s3://fleet/run", s3={"key": S3Server.KEY, "secret": S3Server.SECRET, "endpoint_url": endpoint}
+            )
         else:
             cfg.update(root=os.path.join(self.work, "store"))
         self.direct_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -323,7 +360,7 @@ class Fleet:
         from torch_storage_loader import RedisStorageQueue
 
         url = self.cluster.url if self.cluster else self.direct_url
-        return RedisStorageQueue(url, STREAM, cluster=self.args.redis_cluster, retry_for=120.0)
+        return RedisStorageQueue(url, STREAM, cluster=self.args.redis_cluster, retry_timeout=120.0)
 
     # faults
     def fault(self, kind: str, t: float, rng: random.Random) -> None:
@@ -346,6 +383,7 @@ class Fleet:
             def back() -> None:
                 self.cluster.wait_failover(port, STREAM, timeout=60)
                 self.cluster.restart(port)
+
             self.helpers.append(threading.Thread(target=back, daemon=True))
             self.helpers[-1].start()
         elif kind == "redis":
@@ -441,7 +479,7 @@ class Fleet:
 
     def figures(self, t_start: float, produce_end: float, drained: bool, cpu: dict, redis_stats: dict) -> dict:
         a = self.args
-        puts, errors, gets, starts = _read_logs(self.work)
+        puts, errors, gets, _starts = _read_logs(self.work)
         produced = {key: (t0, nbytes) for key, t0, nbytes in puts}
         first: dict = {}
         deliveries = 0
@@ -457,22 +495,45 @@ class Fleet:
         stepping = len(in_window) * a.step_ms / 1000
         cores = os.cpu_count() or 1
         out = {
-            "collectors": a.collectors, "trainers": a.trainers, "seconds": a.seconds, "store": a.store,
-            "redis": "cluster" if a.redis_cluster else "single", "appendfsync": a.appendfsync,
-            "produced": len(produced), "delivered": len(first), "deliveries": deliveries,
-            "duplicates": deliveries - len(first), "lost": len(lost),
-            "unlogged_delivered": len(set(first) - set(produced)),  # put acknowledged to a collector killed before its log line
-            "put_errors": len(errors), "failed_loads": redis_stats.get("failed", 0),
+            "collectors": a.collectors,
+            "trainers": a.trainers,
+            "seconds": a.seconds,
+            "store": a.store,
+            "redis": "cluster" if a.redis_cluster else "single",
+            "appendfsync": a.appendfsync,
+            "produced": len(produced),
+            "delivered": len(first),
+            "deliveries": deliveries,
+            "duplicates": deliveries - len(first),
+            "lost": len(lost),
+            "unlogged_delivered": len(
+                set(first) - set(produced)
+            ),  # put acknowledged to a collector killed before its log line
+            "put_errors": len(errors),
+            "failed_loads": redis_stats.get("failed", 0),
             "samples_per_s": round(len(in_window) / window, 2),
             "gbps": round(sum(n for _, _, n in in_window) / window / 1e9, 4),
             "latency_p50_ms": round(float(np.percentile(latencies, 50)), 1) if len(latencies) else None,
             "latency_p99_ms": round(float(np.percentile(latencies, 99)), 1) if len(latencies) else None,
             "trainer_idle": round(waits / (waits + stepping), 3) if waits + stepping else None,
             "faults": [f"{kind}:{t:.1f}" for kind, t in self.faults],
-            "drained": drained, "drain_s": round(max(got for _, got, _, _ in gets) - produce_end, 1) if gets else None,
+            "drained": drained,
+            "drain_s": round(max(got for _, got, _, _ in gets) - produce_end, 1) if gets else None,
             "cpu_cores": {k: round(v / window, 2) for k, v in sorted(cpu.items())} | {"machine": cores},
-            "redis_stats": {k: redis_stats[k] for k in ("delivered", "claimed", "acked", "duplicates", "returned",
-                                                        "failed", "refused", "pending", "undelivered")},
+            "redis_stats": {
+                k: redis_stats[k]
+                for k in (
+                    "delivered",
+                    "claimed",
+                    "acked",
+                    "duplicates",
+                    "returned",
+                    "failed",
+                    "refused",
+                    "pending",
+                    "undelivered",
+                )
+            },
         }
         self.series = _series(produced, gets, t_start, produce_end)
         self.lost_keys = lost[:20]
@@ -481,16 +542,19 @@ class Fleet:
 
 # -- logs, progress, output ------------------------------------------------------------------------
 
+
 def _kill_descendants() -> None:
     """SIGKILL whatever of ours is still running (but the stdlib's forkserver and resource tracker)."""
     from multiprocessing import forkserver, resource_tracker
 
-    keep = {getattr(forkserver._forkserver, "_forkserver_pid", None), getattr(resource_tracker._resource_tracker, "_pid", None)}
+    keep = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
     parent = {}
     for pid in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat") as f:
-                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+            parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
     todo, mine = [os.getpid()], []
     while todo:
         p = todo.pop()
@@ -520,8 +584,9 @@ def _read_logs(work: str):
                 elif parts[0] == "error":
                     errors.append(float(parts[1]))
                 elif parts[0] == "got":
-                    gets.append(((int(parts[1]), int(parts[2]), int(parts[3])), float(parts[4]), float(parts[5]),
-                                 int(parts[6])))
+                    gets.append(
+                        ((int(parts[1]), int(parts[2]), int(parts[3])), float(parts[4]), float(parts[5]), int(parts[6]))
+                    )
                 elif parts[0] == "start":
                     starts.append(float(parts[1]))
     return puts, errors, gets, starts
@@ -542,8 +607,14 @@ def _series(produced: dict, gets: list, t0: float, t_end: float) -> dict:
             if key in produced:
                 lat[i].append((got - produced[key][0]) * 1000)
     pct = lambda q: [float(np.percentile(x, q)) if x else float("nan") for x in lat]  # noqa: E731
-    return {"t": [i * TICK_S for i in range(n)], "samples": list(samples / TICK_S),
-            "gbps": list(nbytes / TICK_S / 1e9), "p50": pct(50), "p99": pct(99), "end": t_end - t0}
+    return {
+        "t": [i * TICK_S for i in range(n)],
+        "samples": list(samples / TICK_S),
+        "gbps": list(nbytes / TICK_S / 1e9),
+        "p50": pct(50),
+        "p99": pct(99),
+        "end": t_end - t0,
+    }
 
 
 def _bar(total: float, quiet: bool):
@@ -551,8 +622,14 @@ def _bar(total: float, quiet: bool):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=round(total), unit="s", desc="fleet", file=sys.stderr, dynamic_ncols=True,
-                bar_format="{desc}: {n:.0f}/{total:.0f} s |{bar}| {postfix}")
+    return tqdm(
+        total=round(total),
+        unit="s",
+        desc="fleet",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        bar_format="{desc}: {n:.0f}/{total:.0f} s |{bar}| {postfix}",
+    )
 
 
 def _tick(bar, elapsed: float, work: str) -> None:
@@ -599,8 +676,9 @@ def plot(series: dict, faults: list, path: str, title: str) -> None:
             ax.axvline(float(t), color="k", linestyle=":", linewidth=1)
     for f in faults:
         kind, t = f.split(":")
-        top.annotate(kind, (float(t), 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
-                     ha="right", fontsize=8)
+        top.annotate(
+            kind, (float(t), 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8
+        )
     top.legend(loc="upper left")
     right.legend(loc="upper right")
     bottom.legend(loc="upper left")
@@ -610,21 +688,34 @@ def plot(series: dict, faults: list, path: str, title: str) -> None:
     plt.close(fig)
 
 
-COLUMNS = ("collectors", "trainers", "produced", "delivered", "duplicates", "lost", "samples_per_s", "gbps",
-           "latency_p50_ms", "latency_p99_ms", "trainer_idle")
+COLUMNS = (
+    "collectors",
+    "trainers",
+    "produced",
+    "delivered",
+    "duplicates",
+    "lost",
+    "samples_per_s",
+    "gbps",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "trainer_idle",
+)
 
 
 def table(rows: list[dict]) -> str:
     cols = [(c, [str(r.get(c)) for r in rows]) for c in COLUMNS]
     widths = [max(len(c), *(len(v) for v in vals)) for c, vals in cols]
-    lines = ["  ".join(c.rjust(w) for (c, _), w in zip(cols, widths))]
+    lines = ["  ".join(c.rjust(w) for (c, _), w in zip(cols, widths, strict=False))]
     for i in range(len(rows)):
-        lines.append("  ".join(vals[i].rjust(w) for (_, vals), w in zip(cols, widths)))
+        lines.append("  ".join(vals[i].rjust(w) for (_, vals), w in zip(cols, widths, strict=False)))
     return "\n".join(lines)
 
 
 def parse(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--collectors", type=int, default=16)
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--seconds", type=float, default=30.0, help="producing phase")
@@ -679,14 +770,20 @@ def main(argv: list[str] | None = None) -> dict:
         _kill_descendants()
         shutil.rmtree(fleet.work, ignore_errors=True)
     if args.plot:
-        plot(fleet.series, out["faults"], args.plot,
-             f"{args.collectors} collectors, {args.trainers} trainers, {out['redis']} Redis, {args.store}, "
-             f"faults: {args.faults}")
+        plot(
+            fleet.series,
+            out["faults"],
+            args.plot,
+            f"{args.collectors} collectors, {args.trainers} trainers, {out['redis']} Redis, {args.store}, "
+            f"faults: {args.faults}",
+        )
         out["plot"] = args.plot
     print(table([out]))
-    print(f"faults: {', '.join(out['faults']) or 'none'}; lost handles: {out['lost']}"
-          + (f" (first: {fleet.lost_keys})" if fleet.lost_keys else "")
-          + f"; CPU (cores, producing phase): {out['cpu_cores']}")
+    print(
+        f"faults: {', '.join(out['faults']) or 'none'}; lost handles: {out['lost']}"
+        + (f" (first: {fleet.lost_keys})" if fleet.lost_keys else "")
+        + f"; CPU (cores, producing phase): {out['cpu_cores']}"
+    )
     if args.json:
         print(json.dumps(out))
     return out

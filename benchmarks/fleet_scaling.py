@@ -18,13 +18,37 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COLUMNS = ("collectors", "trainers", "produced", "lost", "duplicates", "samples_per_s", "gbps", "latency_p50_ms",
-           "latency_p99_ms", "trainer_idle")
+COLUMNS = (
+    "collectors",
+    "trainers",
+    "produced",
+    "lost",
+    "duplicates",
+    "samples_per_s",
+    "gbps",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "trainer_idle",
+)
 
 
 def run(n: int, m: int, seconds: float, extra: list[str]) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, "fleet.py"), "--collectors", str(n), "--trainers", str(m),
-           "--seconds", str(seconds), "--faults", "none", "--json", "--plot", "", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "fleet.py"),
+        "--collectors",
+        str(n),
+        "--trainers",
+        str(m),
+        "--seconds",
+        str(seconds),
+        "--faults",
+        "none",
+        "--json",
+        "--plot",
+        "",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 600)
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-3000:])
@@ -37,8 +61,10 @@ def markdown(rows: list[dict]) -> str:
         c = r["cpu_cores"]
         return " / ".join(f"{c.get(k, 0):.2f}" for k in ("redis", "store", "collectors", "trainers"))
 
-    lines = ["| " + " | ".join(COLUMNS) + " | CPU cores: redis / store / collectors / trainers |",
-             "|" + " --- |" * (len(COLUMNS) + 1)]
+    lines = [
+        "| " + " | ".join(COLUMNS) + " | CPU cores: redis / store / collectors / trainers |",
+        "|" + " --- |" * (len(COLUMNS) + 1),
+    ]
     for r in rows:
         lines.append("| " + " | ".join(str(r[c]) for c in COLUMNS) + f" | {cpu(r)} |")
     return "\n".join(lines)
@@ -54,10 +80,11 @@ def plot(rows: list[dict], path: str) -> None:
     for m in sorted({r["trainers"] for r in rows}):
         mine = sorted((r for r in rows if r["trainers"] == m), key=lambda r: r["collectors"])
         x = [r["collectors"] for r in mine]
-        for ax, key in zip(axes, ("samples_per_s", "gbps", "latency_p99_ms", "trainer_idle")):
+        for ax, key in zip(axes, ("samples_per_s", "gbps", "latency_p99_ms", "trainer_idle"), strict=False):
             ax.plot(x, [r[key] for r in mine], marker="o", label=f"{m} trainer{'s' if m > 1 else ''}")
-    for ax, title in zip(axes, ("samples/s received", "GB/s received", "put-to-trainer p99 (ms)",
-                                "trainer idle fraction")):
+    for ax, title in zip(
+        axes, ("samples/s received", "GB/s received", "put-to-trainer p99 (ms)", "trainer idle fraction"), strict=False
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("collectors")
         ax.set_title(title, fontsize=10)

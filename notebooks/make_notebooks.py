@@ -22,14 +22,18 @@ SMALL = bool(os.environ.get("TSL_NOTEBOOK_SMALL"))
 print("start method:", mp.get_start_method(), "| small run:", SMALL)"""
 
 QUICKSTART = [
-    new_markdown_cell("# torch_storage_loader: quick start\n\nProducers save samples and pass tiny handles on; "
-                      "trainers load them asynchronously, through shared-memory slots that are reused instead of "
-                      "reallocated. This notebook saves and loads with callbacks, feeds a `DataLoader`, and fits a "
-                      "Lightning model."),
+    new_markdown_cell(
+        "# torch_storage_loader: quick start\n\nProducers save samples and pass tiny handles on; "
+        "trainers load them asynchronously, through shared-memory slots that are reused instead of "
+        "reallocated. This notebook saves and loads with callbacks, feeds a `DataLoader`, and fits a "
+        "Lightning model."
+    ),
     new_code_cell(SETUP),
-    new_markdown_cell("## Save and load with callbacks\n\n`save` writes one file atomically and returns a small, "
-                      "picklable handle. `load` returns at once; the callback runs on the loader's receiving thread "
-                      "once a worker process has read the file into a shared-memory slot."),
+    new_markdown_cell(
+        "## Save and load with callbacks\n\n`save` writes one file atomically and returns a small, "
+        "picklable handle. `load` returns at once; the callback runs on the loader's receiving thread "
+        "once a worker process has read the file into a shared-memory slot."
+    ),
     new_code_cell("""\
 import threading
 import numpy as np
@@ -56,19 +60,23 @@ for _ in handles:
     done.acquire()
 print(sorted(int(s["action"][0]) for s in got))
 print(loader.stats())"""),
-    new_markdown_cell("`load_async` returns a `Future` instead. Errors (a missing or damaged file) arrive there, "
-                      "named by path, and the loader keeps serving."),
+    new_markdown_cell(
+        "`load_async` returns a `Future` instead. Errors (a missing or damaged file) arrive there, "
+        "named by path, and the loader keeps serving."
+    ),
     new_code_cell("""\
 from torch_storage_loader import FileStorage
 print(loader.load_async(handles[0]).result()["obs"].shape)
 err = loader.load_async(FileStorage(os.path.join(workdir, "missing.tsl"))).exception()
 print(type(err).__name__, "-", str(err)[:90], "...")
 loader.shutdown()"""),
-    new_markdown_cell("## `DataLoader(StorageDataset(...))`\n\nA `StorageDataset` iterates over handles (a list, "
-                      "a `StorageQueue`, a queue, or a directory). In DataLoader workers each sample goes into the "
-                      "worker's shared-memory slots; only a small reference crosses the result queue. With "
-                      "`batch_size` the dataset stacks samples straight into one slot, so use the DataLoader with "
-                      "`batch_size=None`."),
+    new_markdown_cell(
+        "## `DataLoader(StorageDataset(...))`\n\nA `StorageDataset` iterates over handles (a list, "
+        "a `StorageQueue`, a queue, or a directory). In DataLoader workers each sample goes into the "
+        "worker's shared-memory slots; only a small reference crosses the result queue. With "
+        "`batch_size` the dataset stacks samples straight into one slot, so use the DataLoader with "
+        "`batch_size=None`."
+    ),
     new_code_cell("""\
 from torch.utils.data import DataLoader
 from torch_storage_loader import StorageDataset
@@ -85,8 +93,10 @@ dataset = StorageDataset(handles, batch_size=4)
 for batch in DataLoader(dataset, batch_size=None, num_workers=2):
     print(batch["obs"].shape, batch["action"][:, 0].tolist())
 print(dataset.stats())"""),
-    new_markdown_cell("## Fit with Lightning\n\n`StorageDataModule` wraps the same dataset for `Trainer.fit`; "
-                      "`StorageStatsCallback` logs the loader's figures next to the loss."),
+    new_markdown_cell(
+        "## Fit with Lightning\n\n`StorageDataModule` wraps the same dataset for `Trainer.fit`; "
+        "`StorageStatsCallback` logs the loader's figures next to the loss."
+    ),
     new_code_cell("""\
 import logging
 import warnings
@@ -121,11 +131,13 @@ shutil.rmtree(workdir)"""),
 ]
 
 BENCHMARK = [
-    new_markdown_cell("# Throughput: the default DataLoader path against `StorageDataset`\n\nThe same files "
-                      "through (a) a plain `IterableDataset` that loads each file in the worker and lets the "
-                      "DataLoader ship the tensors, and (b) `StorageDataset`, across sample sizes and worker "
-                      "counts. Each point is a steady-state epoch after a warm-up epoch; the consumer reads every "
-                      "tensor. Figures are from the machine that ran the notebook (2 cores when committed)."),
+    new_markdown_cell(
+        "# Throughput: the default DataLoader path against `StorageDataset`\n\nThe same files "
+        "through (a) a plain `IterableDataset` that loads each file in the worker and lets the "
+        "DataLoader ship the tensors, and (b) `StorageDataset`, across sample sizes and worker "
+        "counts. Each point is a steady-state epoch after a warm-up epoch; the consumer reads every "
+        "tensor. Figures are from the machine that ran the notebook (2 cores when committed)."
+    ),
     new_code_cell(SETUP),
     new_code_cell("""\
 import time
@@ -202,14 +214,14 @@ def main() -> None:
     ap.add_argument("--execute", action="store_true", help="run them and store the outputs")
     args = ap.parse_args()
     for name, cells in (("quickstart", QUICKSTART), ("benchmark", BENCHMARK)):
-        nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                "language": "python"}})
+        nb = new_notebook(
+            cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+        )
         path = os.path.join(HERE, f"{name}.ipynb")
         if args.execute:
             from nbclient import NotebookClient
 
-            NotebookClient(nb, timeout=1200, kernel_name="python3",
-                           resources={"metadata": {"path": HERE}}).execute()
+            NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": HERE}}).execute()
         nbformat.write(nb, path)
         print("wrote", path)
 

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from torch_storage_loader._device import too_large
+from torch_storage_loader._shm.device import too_large
 from torch_storage_loader.errors import PinRefused
 
 
@@ -51,7 +51,7 @@ class FakeEvent:
 
 
 class _Stage:
-    def __init__(self, gpu: "FakeGPU") -> None:
+    def __init__(self, gpu: FakeGPU) -> None:
         self.gpu = gpu
         self.device = torch.device("cpu")
         self.owned: list[torch.Tensor] = []
@@ -80,8 +80,9 @@ class FakeGPU:
     name = "the emulated GPU"
     pin_thread = False
 
-    def __init__(self, *, auto: bool = True, refuse: str | None = None, sees_pinned: bool = True,
-                 capacity: int = 1 << 40) -> None:
+    def __init__(
+        self, *, auto: bool = True, refuse: str | None = None, sees_pinned: bool = True, capacity: int = 1 << 40
+    ) -> None:
         self.auto = auto
         self.refuse = refuse
         self._sees_pinned = sees_pinned

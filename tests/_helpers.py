@@ -59,6 +59,7 @@ class KillStorage(Storage):
 def produce(queue, directory: str, start: int, count: int) -> None:
     """A producer process: save trajectories and put their handles on a StorageQueue."""
     from conftest import traj
+
     from torch_storage_loader import FileStorageLoader
 
     loader = FileStorageLoader(directory, ttl=None)
@@ -73,8 +74,9 @@ def start_producers(queue, root, count: int, n: int = 2) -> list:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=produce, args=(queue, os.path.join(str(root), f"p{k}"), 100 * k, count))
-             for k in range(n)]
+    procs = [
+        ctx.Process(target=produce, args=(queue, os.path.join(str(root), f"p{k}"), 100 * k, count)) for k in range(n)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -82,6 +84,7 @@ def start_producers(queue, root, count: int, n: int = 2) -> list:
 
 def produce_then_die(queue, directory: str) -> None:
     from conftest import traj
+
     from torch_storage_loader import FileStorageLoader
 
     loader = FileStorageLoader(directory, ttl=None)
@@ -93,6 +96,7 @@ def produce_then_die(queue, directory: str) -> None:
 
 def produce_into_directory(directory: str, start: int, count: int) -> None:
     from conftest import traj
+
     from torch_storage_loader import FileStorageLoader
 
     with FileStorageLoader(directory, ttl=None) as loader:
@@ -104,6 +108,7 @@ def produce_into_directory(directory: str, start: int, count: int) -> None:
 def consume_directory(directory: str, out) -> None:
     """Another consumer process of a directory source; puts the ids it loaded on ``out``."""
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     ids = [int(s["info"]["id"]) for s in DataLoader(StorageDataset(directory), batch_size=None, num_workers=1)]
@@ -113,6 +118,7 @@ def consume_directory(directory: str, out) -> None:
 def consume_and_block(directory: str, ready) -> None:
     """A trainer process that takes five samples of a directory source, then hangs (to be killed)."""
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     it = iter(DataLoader(StorageDataset(directory), batch_size=None, num_workers=2))
@@ -125,6 +131,7 @@ def consume_and_block(directory: str, ready) -> None:
 def consume_redis_and_block(queue, n: int, out, ready) -> None:
     """A trainer process that takes ``n`` samples from a RedisStorageQueue, reports them, then hangs."""
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     it = iter(DataLoader(StorageDataset(queue), batch_size=None, num_workers=2))
@@ -133,15 +140,28 @@ def consume_redis_and_block(queue, n: int, out, ready) -> None:
     time.sleep(600)
 
 
+def _report(out, item) -> None:
+    """Put ``item`` on ``out`` and wait until it is in the pipe.
+
+    A rank reports before ``destroy_process_group``, which now and then hangs in torch's teardown
+    (pytorch/pytorch#75097): the parent then kills the rank, and a report still in the queue's
+    feeder thread would be lost with it, failing the test as a hang of ours.
+    """
+    out.put(item)
+    out.close()
+    out.join_thread()
+
+
 def ddp_rank(rank: int, world: int, init_file: str, handles, out) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         dl = DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, multiprocessing_context="spawn")
-        out.put((rank, [int(s["info"]["id"]) for s in dl]))
+        _report(out, (rank, [int(s["info"]["id"]) for s in dl]))
     finally:
         dist.destroy_process_group()
 
@@ -209,19 +229,26 @@ def ddp_train_rank(rank: int, world: int, init_file: str, handles, options: dict
 
     import torch.distributed as dist
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     opts = dict(options)
     num_workers, epochs = opts.pop("num_workers", 0), opts.pop("epochs", 1)
     persistent, call_set_epoch = opts.pop("persistent_workers", False), opts.pop("set_epoch", False)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4 * 8 * 8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         ds = StorageDataset(handles, **opts)
-        dl = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent,
-                        multiprocessing_context="fork" if num_workers else None)
+        dl = DataLoader(
+            ds,
+            batch_size=None,
+            num_workers=num_workers,
+            persistent_workers=persistent,
+            multiprocessing_context="fork" if num_workers else None,
+        )
         report = {"len": len(dl), "padded": ds.stats()["padded"], "epochs": [], "warnings": []}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -240,9 +267,9 @@ def ddp_train_rank(rank: int, world: int, init_file: str, handles, options: dict
                 report["epochs"].append(ids)
         report["warnings"] = [str(w.message) for w in caught if "IterableDataset" in str(w.message)]
         del dl
-        out.put((rank, report))
-    except BaseException:
-        out.put((rank, {"error": traceback.format_exc()}))
+        _report(out, (rank, report))
+    except BaseException:  # noqa: BLE001 -- the child reports any failure to the parent test
+        _report(out, (rank, {"error": traceback.format_exc()}))
     finally:
         dist.destroy_process_group()
 
@@ -269,6 +296,8 @@ def run_ranks(target, world: int, init_file: str, *args, timeout: float = 240) -
     except _queue.Empty:
         pass
     finally:
+        if len(got) == world:  # all reported: a rank still in torch's teardown gets a minute
+            deadline = min(deadline, time.monotonic() + 60)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
             if p.is_alive():
@@ -288,6 +317,7 @@ def len_rank(rank: int, world: int, init_file: str, handles, out) -> None:
 
     import torch.distributed as dist
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -295,20 +325,30 @@ def len_rank(rank: int, world: int, init_file: str, handles, out) -> None:
         rows = []
         for batch_size, drop_last, num_workers in itertools.product([None, 2, 3], [False, True], [0, 1, 3]):
             ds = StorageDataset(handles, batch_size=batch_size, drop_last=drop_last, shuffle=True, seed=5)
-            dl = DataLoader(ds, batch_size=None, num_workers=num_workers,
-                            multiprocessing_context="fork" if num_workers else None)
+            dl = DataLoader(
+                ds, batch_size=None, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # torch warns when more than len(dl) items come
                 warnings.filterwarnings("ignore", "This DataLoader will create 3 worker processes")  # 2 cores
                 n = len(dl)
                 items = list(dl)
             ids = [i for b in items for i in (b["info"]["id"].tolist() if batch_size else [int(b["info"]["id"])])]
-            rows.append({"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
-                         "len": n, "len_ds": len(ds), "yielded": len(items), "ids": ids})
+            rows.append(
+                {
+                    "batch_size": batch_size,
+                    "drop_last": drop_last,
+                    "num_workers": num_workers,
+                    "len": n,
+                    "len_ds": len(ds),
+                    "yielded": len(items),
+                    "ids": ids,
+                }
+            )
             del items, dl
-        out.put((rank, {"rows": rows}))
-    except BaseException:
-        out.put((rank, {"error": traceback.format_exc()}))
+        _report(out, (rank, {"rows": rows}))
+    except BaseException:  # noqa: BLE001 -- the child reports any failure to the parent test
+        _report(out, (rank, {"error": traceback.format_exc()}))
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,6 @@ import tempfile
 import time
 
 import pytest
-
 from _redis_server import REDIS_SERVER, RedisServer
 
 REDIS_CLI = shutil.which("redis-cli")
@@ -61,7 +60,7 @@ def _wait(what: str, check, timeout: float = 30.0, log=lambda: ""):
             result = check()
             if result:
                 return result
-        except Exception:  # not up yet, or in the middle of a failover
+        except Exception:  # noqa: BLE001 -- not up yet, or in the middle of a failover
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} within {timeout} s; logs:\n{log()}")
@@ -77,10 +76,26 @@ class RedisClusterServers:
         for port in _ports(6):
             d = os.path.join(self.dir, str(port))
             os.mkdir(d)
-            self.nodes[port] = RedisServer(d, port=port, args=(
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
-                "--cluster-replica-validity-factor", "0",  # a replica takes over however long it was cut off
-                "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no"))
+            self.nodes[port] = RedisServer(
+                d,
+                port=port,
+                args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-replica-validity-factor",
+                    "0",  # a replica takes over however long it was cut off
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ),
+            )
 
     @property
     def url(self) -> str:
@@ -90,8 +105,12 @@ class RedisClusterServers:
         for node in self.nodes.values():
             node.start()
         addresses = [f"127.0.0.1:{p}" for p in self.nodes]
-        subprocess.run([REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         _wait("the cluster did not get ready", self.ready, log=self.log)
         return self
 
@@ -117,6 +136,7 @@ class RedisClusterServers:
 
     def wait_failover(self, old_master: int, key: str, timeout: float = 30.0) -> int:
         """Until ``key``'s slot has a live master other than ``old_master`` and the cluster is ok."""
+
         def promoted():
             m = self.master_of(key)
             return m if m != old_master and self.ready() else None
@@ -148,13 +168,16 @@ class SentinelServers:
             os.mkdir(os.path.join(self.dir, name))
             made.append(os.path.join(self.dir, name))
         self.master = RedisServer(made[0], args=("--repl-diskless-sync-delay", "0"))
-        self.replica = RedisServer(made[1], args=("--replicaof", "127.0.0.1", str(self.master.port),
-                                                  "--repl-diskless-sync-delay", "0"))
+        self.replica = RedisServer(
+            made[1], args=("--replicaof", "127.0.0.1", str(self.master.port), "--repl-diskless-sync-delay", "0")
+        )
         conf = os.path.join(made[2], "sentinel.conf")  # Sentinel rewrites it: a file of its own
         with open(conf, "w") as f:
-            f.write(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
-                    f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
-                    f"sentinel failover-timeout {self.SERVICE} 10000\n")
+            f.write(
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                f"sentinel failover-timeout {self.SERVICE} 10000\n"
+            )
         self.sentinel = RedisServer(made[2], config=conf, args=("--sentinel",))
 
     @property
@@ -164,11 +187,17 @@ class SentinelServers:
     def start(self) -> SentinelServers:
         self.master.start()
         self.replica.start()
-        _wait("the replica did not sync", lambda: _ask(self.replica.port, "INFO", "replication")["master_link_status"] == "up",
-              log=self.log)
+        _wait(
+            "the replica did not sync",
+            lambda: _ask(self.replica.port, "INFO", "replication")["master_link_status"] == "up",
+            log=self.log,
+        )
         self.sentinel.start()
-        _wait("the Sentinel does not see the replica", lambda: _ask(
-            self.sentinel.port, "SENTINEL", "REPLICAS", self.SERVICE), log=self.log)
+        _wait(
+            "the Sentinel does not see the replica",
+            lambda: _ask(self.sentinel.port, "SENTINEL", "REPLICAS", self.SERVICE),
+            log=self.log,
+        )
         return self
 
     def master_port(self) -> int:
@@ -185,7 +214,9 @@ class SentinelServers:
 
 def _need_redis() -> None:
     if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server / redis-cli are not installed (.ci/run installs them: apt-get install -y redis-server)")
+        pytest.skip(
+            "redis-server / redis-cli are not installed (.ci/run installs them: apt-get install -y redis-server)"
+        )
 
 
 @pytest.fixture(scope="module")

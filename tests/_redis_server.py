@@ -47,8 +47,16 @@ def _gone(pid: int) -> bool:
 
 
 class RedisServer:
-    def __init__(self, directory: str, *, password: str | None = None, appendonly: bool = False,
-                 port: int | None = None, args: tuple = (), config: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        password: str | None = None,
+        appendonly: bool = False,
+        port: int | None = None,
+        args: tuple = (),
+        config: str | None = None,
+    ) -> None:
         self.dir, self.password, self.appendonly = directory, password, appendonly
         self.port = port or _free_port()
         self.args, self.config = tuple(args), config  # more arguments; a config file to start from (Sentinel)
@@ -63,9 +71,24 @@ class RedisServer:
         pidfile = os.path.join(self.dir, "redis.pid")
         with contextlib.suppress(OSError):
             os.remove(pidfile)
-        args = [REDIS_SERVER] + ([self.config] if self.config else []) + [
-            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-            "--daemonize", "yes", "--pidfile", pidfile, "--logfile", os.path.join(self.dir, "redis.log")]
+        args = (
+            [REDIS_SERVER]
+            + ([self.config] if self.config else [])
+            + [
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                self.dir,
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                pidfile,
+                "--logfile",
+                os.path.join(self.dir, "redis.log"),
+            ]
+        )
         if not self.config:
             args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no"]
         if self.password:

@@ -30,7 +30,6 @@ import urllib.request
 import uuid
 
 import pytest
-
 from _redis_server import _gone, _read  # the same process and log helpers
 
 WEED = shutil.which("weed") or shutil.which("weed", path=os.path.dirname(sys.executable))
@@ -99,19 +98,36 @@ class S3Server:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ports {ports} (and +{GRPC_OFFSET}) are not free")
             time.sleep(0.05)
-        args = [WEED, "server", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
-                f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.port}",
-                "-s3.port.iceberg=0", "-s3.port.lance=0",  # on by default, on fixed ports
-                "-master.volumeSizeLimitMB=64", "-volume.max=0",  # small volumes, as many as fit
-                "-master.telemetry=false",
-                "-master.resumeState=false",  # resuming, a lone master waits ~13 s for its election
-                f"-filer.localSocket={self.dir}/filer.sock", f"-s3.localSocket={self.dir}/s3.sock"]
+        args = [
+            WEED,
+            "server",
+            f"-dir={self.dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={self.master_port}",
+            f"-volume.port={self.volume_port}",
+            f"-filer.port={self.filer_port}",
+            "-s3",
+            f"-s3.port={self.port}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # on by default, on fixed ports
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=0",  # small volumes, as many as fit
+            "-master.telemetry=false",
+            "-master.resumeState=false",  # resuming, a lone master waits ~13 s for its election
+            f"-filer.localSocket={self.dir}/filer.sock",
+            f"-s3.localSocket={self.dir}/s3.sock",
+        ]
         with open(self._logfile, "a") as f:
             f.write(f"=== {' '.join(args)}\n")
-        out = subprocess.run(["sh", "-c", 'setsid "$@" >>"$TSL_S3_LOG" 2>&1 </dev/null & echo $!', "sh", *args],
-                             env={**os.environ, "TMPDIR": self.dir, "TSL_S3_LOG": self._logfile},
-                             check=True, capture_output=True, text=True, timeout=timeout).stdout
+        out = subprocess.run(
+            ["sh", "-c", 'setsid "$@" >>"$TSL_S3_LOG" 2>&1 </dev/null & echo $!', "sh", *args],
+            env={**os.environ, "TMPDIR": self.dir, "TSL_S3_LOG": self._logfile},
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        ).stdout
         self.pid = int(out)
         atexit.register(self.stop)
         self.wait_ready(deadline, volumes=len(glob.glob(os.path.join(self.dir, "*.dat"))))
@@ -129,8 +145,12 @@ class S3Server:
                     s3_up = r.status == 200
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.master_port}/dir/status", timeout=1) as r:
                     topology = json.load(r)["Topology"]
-                known = [node["Volumes"] for dc in topology["DataCenters"] or [] for rack in dc["Racks"] or []
-                         for node in rack["DataNodes"] or []]
+                known = [
+                    node["Volumes"]
+                    for dc in topology["DataCenters"] or []
+                    for rack in dc["Racks"] or []
+                    for node in rack["DataNodes"] or []
+                ]
                 if s3_up and known and known[0] >= volumes:
                     return
             if time.monotonic() > deadline or self.pid is None or _gone(self.pid):

@@ -102,6 +102,31 @@ _KINDS = {
 _excused: dict[str, set[str]] = {kind: set() for kind in _KINDS}
 
 
+def _what_holds(mappings: set[str]) -> list[str]:
+    """For a leak report: what the receiver knows of the leaked mappings, and which of our objects
+    over shared memory are still alive (segments, mapped rings) and what refers to them."""
+    from torch_storage_loader._shm import segments, slots
+
+    reg = slots._registry
+    out = [
+        f"receiver: {len(reg.rings)} ring(s) registered, watching pids {sorted(reg.watched)}, "
+        f"reaper {'alive' if reg.reaper is not None and reg.reaper.is_alive() else 'not running'}"
+    ]
+    for obj in gc.get_objects():  # mmap objects are not tracked by gc: look for what holds them
+        if type(obj) is segments.ShmSegment:
+            what = f"ShmSegment({obj.size} bytes, fd {obj._fd}, {'unmapped' if obj.mm.closed else 'mapped'})"
+        elif type(obj) is slots._MappedRing:
+            what = (
+                f"ring {obj.uid[:8]} of pid {obj.owner_pid} ({obj.nbytes} bytes, leases {obj.leases}, "
+                f"forgotten {obj.forgotten}, registered {reg.rings.get(obj.uid) is obj})"
+            )
+        else:
+            continue
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list"})
+        out.append(f"alive: {what}, referred to by {holders}")
+    return out
+
+
 def _snapshot() -> dict[str, set[str]]:
     return {kind: probe() for kind, probe in _KINDS.items()}
 
@@ -118,7 +143,10 @@ def _drop_captured_tracebacks(item) -> None:
 
     A logged exception's traceback holds its frames, and so whatever they held (a sample, its
     slot's mapping) for as long as pytest keeps the record, i.e. past this fixture. Its text is
-    already in the report; only pytest's own reference goes.
+    already in the report; only pytest's own reference goes. The same holds for an exception
+    passed as an argument (``logger.warning("loading %r failed: %s", storage, error)``): raised
+    later in the test, its traceback holds the test's frame, and with it every local the test
+    ended with (a dataset, a loader). Such records keep their message, rendered, not the exception.
     """
     try:
         from _pytest.logging import caplog_records_key
@@ -126,6 +154,8 @@ def _drop_captured_tracebacks(item) -> None:
         return
     for records in item.stash.get(caplog_records_key, {}).values():
         for record in records:
+            if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
+                record.msg, record.args = record.getMessage(), None
             if record.exc_info:
                 if not record.exc_text:
                     record.exc_text = logging.Formatter().formatException(record.exc_info)
@@ -157,10 +187,16 @@ def no_leaks(request):
     for kind, items in leaked.items():
         if items:
             lines.append(f"{kind}:")
-            lines += [f"    {x}" + ("   [already there when the test started]" if x in stale[kind] else "")
-                      for x in sorted(items)]
-    report = (f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
-              + "\n".join(lines))
+            lines += [
+                f"    {x}" + ("   [already there when the test started]" if x in stale[kind] else "")
+                for x in sorted(items)
+            ]
+    if leaked["shared-memory mappings (/proc/self/maps)"]:
+        lines += _what_holds(leaked["shared-memory mappings (/proc/self/maps)"])
+    report = (
+        f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
+        + "\n".join(lines)
+    )
     if getattr(request.node, "_tsl_call_failed", False):
         # The test's traceback may hold the samples; its failure is what to look at first.
         request.node.add_report_section("teardown", "leaks (the test failed already)", report)
@@ -177,7 +213,7 @@ def assert_same(a, b, path="<root>"):
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: len {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, (np.ndarray, np.generic)):
         # Files are little-endian: a big-endian input comes back as the same values, little-endian.
@@ -187,13 +223,16 @@ def assert_same(a, b, path="<root>"):
         assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), path
     elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert a.contiguous().view(-1).view(torch.uint8).tolist() == b.contiguous().view(-1).view(torch.uint8).tolist() \
-            if a.numel() else True, path
+        assert (
+            a.contiguous().view(-1).view(torch.uint8).tolist() == b.contiguous().view(-1).view(torch.uint8).tolist()
+            if a.numel()
+            else True
+        ), path
     elif type(a).__module__.startswith("treetensor"):
         # treevalue orders a tree's keys itself, by string hash: the order differs between
         # interpreters (PYTHONHASHSEED), even for the same tree, so only the key sets must match.
         assert sorted(a.keys()) == sorted(b.keys()), path
-        for k in a.keys():
+        for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b), path

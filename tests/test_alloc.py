@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from torch_storage_loader import FileStorage, FileStorageLoader, SampleTooLargeError
-from torch_storage_loader._alloc import GROWTH, OUTLIER, WINDOW, SlotAllocator
-from torch_storage_loader._format import ReadOptions
-from torch_storage_loader._shm import shm_dir
-from torch_storage_loader._slots import CTRL, page_round, retire_rings
-from torch_storage_loader._worker import SlotFiller
+from torch_storage_loader._format.file import ReadOptions
+from torch_storage_loader._shm.alloc import GROWTH, OUTLIER, WINDOW, SlotAllocator
+from torch_storage_loader._shm.filling import SlotFiller
+from torch_storage_loader._shm.segments import shm_dir
+from torch_storage_loader._shm.slots import CTRL, page_round, retire_rings
 
 OPTS = ReadOptions()
 MiB = 1 << 20
@@ -22,7 +22,7 @@ MiB = 1 << 20
 
 def lease_and_send(alloc: SlotAllocator, nbytes: int):
     """Lease, commit and pickle as a worker does; returns (info, pickled reference)."""
-    from torch_storage_loader._format import ArrayEntry, Header
+    from torch_storage_loader._format.file import ArrayEntry, Header
 
     lease = alloc.lease(nbytes, "x.tsl", OPTS)
     lease.view[:] = bytes([nbytes % 251]) * nbytes
@@ -75,11 +75,11 @@ def test_idle_oversized_rings_are_given_back():
     alloc = SlotAllocator(4, budget=1 << 30)
     try:
         for n in (8 * MiB, 8 * MiB):  # a burst of large samples sizes the rings
-            info, ref = lease_and_send(alloc, n)
+            _info, ref = lease_and_send(alloc, n)
             alloc.rings[0].unacquire(ref.slot)
         big = alloc.held()
         for _ in range(WINDOW + 1):  # then only small ones
-            info, ref = lease_and_send(alloc, 64 << 10)
+            _info, ref = lease_and_send(alloc, 64 << 10)
             alloc.find(ref.ring_uid).unacquire(ref.slot)
             alloc.find(ref.ring_uid).received_here()
         alloc.lease(64 << 10, "x.tsl", OPTS).abort()

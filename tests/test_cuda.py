@@ -14,16 +14,23 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from conftest import traj
 from torch.utils.data import DataLoader
 
-from conftest import traj
-from torch_storage_loader import (FileStorage, FileStorageLoader, SampleTooLargeForDeviceError, StorageDataset,
-                                  StorageQueue)
-from torch_storage_loader import _pinning
+from torch_storage_loader import (
+    FileStorage,
+    FileStorageLoader,
+    SampleTooLargeForDeviceError,
+    StorageDataset,
+    StorageQueue,
+)
+from torch_storage_loader._shm import pinning as _pinning
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+    ),
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:.*isinstance.*LeafSpec.*:FutureWarning"),
@@ -83,22 +90,28 @@ def rings_report() -> str:
     """What keeps rings mapped in this process (for a failure message)."""
     import weakref
 
-    from torch_storage_loader import _slots
+    from torch_storage_loader._shm import slots as _slots
 
     reg = _slots._registry
-    lines = [f"registered={_pinning._state.registered} pending releases={_pinning._state.releases.pending()} "
-             f"watched={reg.watched} reaper={reg.reaper}"]
+    lines = [
+        f"registered={_pinning._state.registered} pending releases={_pinning._state.releases.pending()} "
+        f"watched={reg.watched} reaper={reg.reaper}"
+    ]
     for obj in gc.get_objects():
         if type(obj) is _slots._MappedRing:  # (isinstance would touch deprecated torch objects, which warn)
             try:
                 w = obj.words
-                state = (f"retired={w[_slots._RETIRED]} sent={w[_slots._SENT]} received={w[_slots._RECEIVED]} "
-                         f"slots={[w[_slots._STATES + i] for i in range(4)]}")
+                state = (
+                    f"retired={w[_slots._RETIRED]} sent={w[_slots._SENT]} received={w[_slots._RECEIVED]} "
+                    f"slots={[w[_slots._STATES + i] for i in range(4)]}"
+                )
             except ValueError:
                 state = "closed"
-            lines.append(f"ring {obj.uid[:8]} owner={obj.owner_pid} alive={os.path.exists(f'/proc/{obj.owner_pid}')} "
-                         f"leases={obj.leases} forgotten={obj.forgotten} pin={obj.pin} in_registry="
-                         f"{reg.rings.get(obj.uid) is obj} {state}")
+            lines.append(
+                f"ring {obj.uid[:8]} owner={obj.owner_pid} alive={os.path.exists(f'/proc/{obj.owner_pid}')} "
+                f"leases={obj.leases} forgotten={obj.forgotten} pin={obj.pin} in_registry="
+                f"{reg.rings.get(obj.uid) is obj} {state}"
+            )
             for f in [f for f in weakref.finalize._registry.values() if obj in f.args]:
                 lines.append(f"    finalizer {f.func.__name__} slot={f.args[1]} gen={f.args[2]}")
             for r in gc.get_referrers(obj):
@@ -130,14 +143,21 @@ def test_a_slot_is_not_refilled_while_the_gpu_may_still_copy_it(tmp_path, monkey
         seen = on_gpu[0, 0].item()
         del second
         if deferred:
-            assert seen == 1.0 and torch.equal(on_gpu, torch.full_like(on_gpu, 1.0)), "the slot was refilled under the copy"
+            assert seen == 1.0 and torch.equal(on_gpu, torch.full_like(on_gpu, 1.0)), (
+                "the slot was refilled under the copy"
+            )
         else:
             assert seen == 2.0, "without the deferral the refill should have reached the copy (is the GPU that fast?)"
 
 
 def rich(i: int) -> dict:
-    return {"obs": np.full((64, 32), i, np.float32), "ids": [np.int64(i), {"t": torch.tensor([i, i])}],
-            "tree": ttorch.Tensor({"x": torch.full((3,), float(i))}), "name": f"s{i}", "n": i}
+    return {
+        "obs": np.full((64, 32), i, np.float32),
+        "ids": [np.int64(i), {"t": torch.tensor([i, i])}],
+        "tree": ttorch.Tensor({"x": torch.full((3,), float(i))}),
+        "name": f"s{i}",
+        "n": i,
+    }
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -208,8 +228,16 @@ def test_lightning_fit_with_device(tmp_path):
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     # A cluster environment given: Lightning does not probe MPI (mpi4py would start an orted daemon).
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         plugins=[LightningEnvironment()])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        plugins=[LightningEnvironment()],
+    )
     trainer.fit(model, datamodule=dm)
     assert sorted(model.seen) == list(range(24))

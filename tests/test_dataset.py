@@ -7,17 +7,24 @@ import os
 import queue
 import signal
 
+import _helpers
 import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from conftest import START_METHODS
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import _helpers
-from conftest import START_METHODS
-from torch_storage_loader import (FileStorage, ProducerDiedError, SampleMismatchError,
-                                  StorageCorruptError, StorageDataset, StorageQueue, end_directory_stream)
+from torch_storage_loader import (
+    FileStorage,
+    ProducerDiedError,
+    SampleMismatchError,
+    StorageCorruptError,
+    StorageDataset,
+    StorageQueue,
+    end_directory_stream,
+)
 
 
 def ids_of(samples, batched=False):
@@ -57,8 +64,9 @@ def test_every_handle_once(handles, num_workers, batch_size):
 @pytest.mark.parametrize("method", START_METHODS)
 def test_start_methods_epochs_and_persistent_workers(handles, method):
     ds = StorageDataset(handles)
-    dl = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=3,
-                    multiprocessing_context=method)
+    dl = DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=3, multiprocessing_context=method
+    )
     for _ in range(3):
         out = []
         for s in dl:
@@ -76,8 +84,10 @@ def test_in_order_false(handles):
         check_sample(s)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="pin_memory needs an accelerator: without one DataLoader only warns and never pins")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="pin_memory needs an accelerator: without one DataLoader only warns and never pins",
+)
 def test_in_order_false_and_pin_memory(handles):
     # Kept batches, then more loads while all are kept (as in test_kept_batches_never_change), pinned.
     ds = StorageDataset(handles, slots_per_worker=2, max_rings_per_worker=2)
@@ -128,8 +138,9 @@ def test_mismatched_shapes_name_the_key_path(tmp_path):
 
     def pad(samples):
         n = max(s["obs"].shape[0] for s in samples)
-        return {"obs": torch.stack([torch.nn.functional.pad(s["obs"], (0, 0, 0, n - s["obs"].shape[0]))
-                                    for s in samples])}
+        return {
+            "obs": torch.stack([torch.nn.functional.pad(s["obs"], (0, 0, 0, n - s["obs"].shape[0])) for s in samples])
+        }
 
     out = list(DataLoader(StorageDataset([a, b], batch_size=2, collate_fn=pad), batch_size=None, num_workers=1))
     assert out[0]["obs"].shape == (2, 4, 2)
@@ -150,7 +161,7 @@ def test_killed_worker_is_a_clear_error_not_a_hang(handles):
     dl = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, timeout=60))
     next(dl)
     os.kill(dl._workers[0].pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="(?i)worker"):
+    with pytest.raises(RuntimeError, match=r"(?i)worker"):
         for _ in dl:
             pass
     del dl
@@ -158,8 +169,10 @@ def test_killed_worker_is_a_clear_error_not_a_hang(handles):
 
 def test_storage_queue_two_producers_two_workers(tmp_path):
     q = StorageQueue()
-    producers = [mp.get_context("spawn").Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 20))
-                 for k in range(2)]
+    producers = [
+        mp.get_context("spawn").Process(target=_helpers.produce, args=(q, str(tmp_path / f"p{k}"), 100 * k, 20))
+        for k in range(2)
+    ]
     for p in producers:
         p.start()
     dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=2, multiprocessing_context="spawn")
@@ -183,7 +196,7 @@ def test_plain_queues_end_at_none(handles):
         mq.put(h)
     mq.put(None)
     assert ids_of(DataLoader(StorageDataset(mq), batch_size=None, num_workers=2)) == list(range(24))
-    with pytest.raises(TypeError, match="queue.Queue is not shared"):
+    with pytest.raises(TypeError, match=r"queue.Queue is not shared"):
         list(DataLoader(StorageDataset(queue.Queue()), batch_size=None, num_workers=1))
 
 
@@ -267,16 +280,25 @@ def expected_order(n, seed, epoch, world=1, rank=0, drop_last=False):
 
 
 def flat_ids(batches):
-    return [i for b in batches for i in (b["info"]["id"].tolist() if isinstance(b["info"]["id"], torch.Tensor)
-                                         and b["info"]["id"].dim() else [int(b["info"]["id"])])]
+    return [
+        i
+        for b in batches
+        for i in (
+            b["info"]["id"].tolist()
+            if isinstance(b["info"]["id"], torch.Tensor) and b["info"]["id"].dim()
+            else [int(b["info"]["id"])]
+        )
+    ]
 
 
-@pytest.mark.parametrize("num_workers,persistent,method", [(0, False, None), (2, True, "fork"), (2, False, "spawn"),
-                                                           (2, True, "forkserver")])
+@pytest.mark.parametrize(
+    "num_workers,persistent,method", [(0, False, None), (2, True, "fork"), (2, False, "spawn"), (2, True, "forkserver")]
+)
 def test_shuffle_is_a_permutation_of_seed_and_epoch(handles, num_workers, persistent, method):
     ds = StorageDataset(handles, shuffle=True, seed=3)
-    dl = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent,
-                    multiprocessing_context=method)
+    dl = DataLoader(
+        ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent, multiprocessing_context=method
+    )
     # The epoch advances by itself, in fresh (non-persistent) workers too.
     auto = [flat_ids(dl) for _ in range(3)]
     assert auto == [expected_order(24, 3, e) for e in range(3)]
@@ -330,15 +352,16 @@ def test_shuffle_validation_messages(handles):
     ds = StorageDataset(handles)
     with pytest.raises(ValueError, match="epoch=-1 must be >= 0"):
         ds.set_epoch(-1)
-    with pytest.raises(TypeError, match="epoch=1.0 must be an int"):
+    with pytest.raises(TypeError, match=r"epoch=1.0 must be an int"):
         ds.set_epoch(1.0)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_mid_epoch_with_shuffle_and_epochs(handles, num_workers):
     def loader():
-        return StatefulDataLoader(StorageDataset(handles, batch_size=2, shuffle=True, seed=11), batch_size=None,
-                                  num_workers=num_workers)
+        return StatefulDataLoader(
+            StorageDataset(handles, batch_size=2, shuffle=True, seed=11), batch_size=None, num_workers=num_workers
+        )
 
     dl = loader()
     epoch0 = flat_ids(dl)  # a whole epoch, then part of the next (the epoch advanced by itself)
@@ -362,7 +385,7 @@ def test_resume_mid_epoch_with_shuffle_and_epochs(handles, num_workers):
 def test_len_per_rank_for_every_combination(handles, tmp_path, world):
     # 7 handles: uneven over 2 and 3 ranks, over 2 and 3 per batch, over 1 and 3 workers.
     got = _helpers.run_ranks(_helpers.len_rank, world, str(tmp_path / "init"), handles[:7])
-    rows = list(zip(*(got[r]["rows"] for r in range(world))))
+    rows = list(zip(*(got[r]["rows"] for r in range(world)), strict=False))
     for per_rank in rows:
         cfg = {k: per_rank[0][k] for k in ("batch_size", "drop_last", "num_workers")}
         b, drop = cfg["batch_size"] or 1, cfg["drop_last"]
@@ -371,18 +394,29 @@ def test_len_per_rank_for_every_combination(handles, tmp_path, world):
         for r, row in enumerate(per_rank):
             assert row["len"] == row["len_ds"] == row["yielded"] == want, (cfg, r, row)
             # The same permutation on every rank, DistributedSampler's positions, in order.
-            assert row["ids"] == expected_order(7, 5, 0, world, r, drop)[:want * b], (cfg, r, row)
+            assert row["ids"] == expected_order(7, 5, 0, world, r, drop)[: want * b], (cfg, r, row)
         if not drop:
             assert set().union(*(row["ids"] for row in per_rank)) == set(range(7)), cfg
 
 
-@pytest.mark.parametrize("options", [
-    {"num_workers": 0},
-    {"batch_size": 2, "num_workers": 2, "persistent_workers": True, "shuffle": True, "seed": 3, "epochs": 3,
-     "set_epoch": True},
-    {"batch_size": 2, "num_workers": 2, "shuffle": True, "epochs": 2},
-    {"batch_size": 2, "num_workers": 2, "drop_last": True},
-], ids=["samples", "batches-persistent-shuffled", "batches-shuffled-auto-epoch", "drop-last"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_workers": 0},
+        {
+            "batch_size": 2,
+            "num_workers": 2,
+            "persistent_workers": True,
+            "shuffle": True,
+            "seed": 3,
+            "epochs": 3,
+            "set_epoch": True,
+        },
+        {"batch_size": 2, "num_workers": 2, "shuffle": True, "epochs": 2},
+        {"batch_size": 2, "num_workers": 2, "drop_last": True},
+    ],
+    ids=["samples", "batches-persistent-shuffled", "batches-shuffled-auto-epoch", "drop-last"],
+)
 def test_ddp_training_on_uneven_data_never_hangs(handles, tmp_path, options):
     # 5 handles over 2 ranks: without even shards one rank takes a step more, and waits in DDP's
     # all-reduce until the process group times out (30 s here).
@@ -403,4 +437,4 @@ def test_ddp_training_on_uneven_data_never_hangs(handles, tmp_path, options):
             assert set(ids[0] + ids[1]) == set(range(5))  # every handle trained on
         if options.get("shuffle"):
             for r in range(2):
-                assert ids[r] == expected_order(5, options.get("seed", 0), e, 2, r, drop)[:steps * b]
+                assert ids[r] == expected_order(5, options.get("seed", 0), e, 2, r, drop)[: steps * b]

@@ -8,12 +8,12 @@ import signal
 import time
 import uuid
 
-import pytest
-from torch.utils.data import DataLoader
-
 import _helpers
+import pytest
 from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from conftest import traj
+from torch.utils.data import DataLoader
+
 from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
 
 N = 600
@@ -99,8 +99,9 @@ def test_dataset_side_batches_from_a_queue_loses_nothing(tmp_path):
     for s in _save_all(tmp_path / "files"):
         q.put(s)
     q.close()
-    got = _stop_early_then_drain(DataLoader(StorageDataset(q, batch_size=3), batch_size=None, num_workers=2,
-                                            timeout=60))
+    got = _stop_early_then_drain(
+        DataLoader(StorageDataset(q, batch_size=3), batch_size=None, num_workers=2, timeout=60)
+    )
     assert sorted(got) == list(range(N))
 
 
@@ -113,7 +114,7 @@ def test_directory_stopped_early_ten_times_loses_nothing(tmp_path):
     assert os.listdir(d) == ["_END_OF_STREAM"], "delivered files are deleted, and only those"
 
 
-def test_redis_stopped_early_ten_times_loses_nothing(tmp_path, redis_server):  # noqa: F811
+def test_redis_stopped_early_ten_times_loses_nothing(tmp_path, redis_server):
     from torch_storage_loader import RedisStorageQueue
 
     with RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", trusted_roots=EVERYWHERE) as q:
@@ -141,7 +142,7 @@ def test_killed_worker_loses_nothing(tmp_path):
     for _ in range(30):
         got += _ids(next(it))
     os.kill(it._workers[0].pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="exited unexpectedly|killed by signal"):
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly|killed by signal"):
         for item in it:
             got += _ids(item)
     del it
@@ -164,8 +165,9 @@ def test_killed_trainer_gives_its_claims_back(tmp_path):
         os.kill(other.pid, signal.SIGKILL)
         other.join()
         end_directory_stream(d)
-        got = [i for item in DataLoader(StorageDataset(d), batch_size=None, num_workers=2, timeout=60)
-               for i in _ids(item)]
+        got = [
+            i for item in DataLoader(StorageDataset(d), batch_size=None, num_workers=2, timeout=60) for i in _ids(item)
+        ]
     finally:
         if other.is_alive():
             other.kill()
@@ -174,11 +176,13 @@ def test_killed_trainer_gives_its_claims_back(tmp_path):
     assert len(delivered_before) == 5, f"the killed trainer had 5 samples; {sorted(delivered_before)} are missing"
 
 
-def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_server):  # noqa: F811
+def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_server):
     from torch_storage_loader import RedisStorageQueue
 
     claim_after = 3.0
-    q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", claim_after=claim_after, trusted_roots=EVERYWHERE)
+    q = RedisStorageQueue(
+        redis_server.url, f"s-{uuid.uuid4().hex[:8]}", claim_after=claim_after, trusted_roots=EVERYWHERE
+    )
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
     other = ctx.Process(target=_helpers.consume_redis_and_block, args=(q, 10, out, ready))
@@ -193,8 +197,9 @@ def test_redis_killed_trainer_pending_reach_the_other_trainer(tmp_path, redis_se
         os.kill(other.pid, signal.SIGKILL)
         other.join()
         killed = time.monotonic()
-        mine = [i for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
-                for i in _ids(item)]
+        mine = [
+            i for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60) for i in _ids(item)
+        ]
         took = time.monotonic() - killed
         assert sorted(set(theirs + mine)) == list(range(200)), "an entry was lost"
         assert took < claim_after + 15, f"the dead trainer's entries took {took:.1f} s to come back"
@@ -238,7 +243,7 @@ def test_many_handles_in_flight_never_block_a_worker(tmp_path):
     assert sorted(got) == list(range(3000))
 
 
-def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_server):  # noqa: F811
+def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_server):
     from torch_storage_loader import RedisStorageQueue
 
     stream = f"s-{uuid.uuid4().hex[:8]}"
@@ -255,7 +260,7 @@ def test_redis_entries_a_slow_trainer_holds_are_not_claimed(tmp_path, redis_serv
                 for _ in range(30):
                     try:
                         token, storage = other.get(timeout=0.2)
-                    except Exception:
+                    except Exception:  # noqa: BLE001 -- nothing to take yet, or the peer is gone: try again
                         continue
                     theirs.append(int(os.path.basename(storage.path)[:4]))
                     other.ack(token)
@@ -286,8 +291,12 @@ def test_an_iterator_alive_at_interpreter_exit_shuts_down_quietly(handles):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-X", "dev", "-c", _ITERATOR_ALIVE_AT_EXIT, *[h.path for h in handles[:6]]],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", _ITERATOR_ALIVE_AT_EXIT, *[h.path for h in handles[:6]]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "0"
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -7,6 +7,7 @@ directory, with warnings as errors like this suite. A block's first line may say
 are only illustrations). Blocks that read ``TSL_REDIS_URL`` get this suite's redis-server; blocks that
 read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS`` get a fresh bucket on its SeaweedFS.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,12 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
-
 from _redis_server import redis_server  # noqa: F401  (fixture)
 from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
@@ -61,8 +61,14 @@ def built_site(tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     print(f"mkdocs build --strict: {elapsed:.1f} s")
@@ -84,7 +90,7 @@ def test_examples_run(page, request, tmp_path):
     markers = [_marker(b) for b in blocks]
     if any(m == "needs cuda" for m in markers) and not torch.cuda.is_available():
         pytest.skip("an example of this page needs a CUDA device and none is present")
-    runnable = [b for b, m in zip(blocks, markers) if m is None or m == "needs cuda"]
+    runnable = [b for b, m in zip(blocks, markers, strict=True) if m is None or m == "needs cuda"]
     if not runnable:
         pytest.skip(f"every example of this page is marked to skip: {markers}")
     script = "\n\n".join(runnable)
@@ -97,10 +103,18 @@ def test_examples_run(page, request, tmp_path):
         env["TSL_S3_OPTIONS"] = json.dumps(server.storage_options)
     # Run as code typed into an interpreter or a notebook (no main module file for spawned loader
     # workers to re-run); a script file needs `if __name__ == "__main__":`, as getting-started.md says.
-    result = subprocess.run([sys.executable, *_warning_flags(), "-c", script], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, (f"the examples of {page.relative_to(ROOT)} failed:\n{script}\n"
-                                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+    result = subprocess.run(
+        [sys.executable, *_warning_flags(), "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, (
+        f"the examples of {page.relative_to(ROOT)} failed:\n{script}\n"
+        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -110,8 +124,9 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def site_url(built_site):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(_QuietHandler, directory=str(built_site)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(built_site))
+    )
     thread = threading.Thread(target=server.serve_forever, name="tsl-docs-http", daemon=True)
     thread.start()
     try:
@@ -141,12 +156,15 @@ def test_pages_render_in_chromium(built_site, site_url):
             for path in paths:
                 page = browser.new_page()
                 errors: list[str] = []
-                page.on("console", lambda m, e=errors: e.append(f"console {m.type}: {m.text}")
-                        if m.type == "error" else None)
+                page.on(
+                    "console",
+                    lambda m, e=errors: e.append(f"console {m.type}: {m.text}") if m.type == "error" else None,
+                )
                 page.on("pageerror", lambda exc, e=errors: e.append(f"page error: {exc}"))
                 page.on("requestfailed", lambda r, e=errors: e.append(f"request failed: {r.url} {r.failure}"))
-                page.on("response", lambda r, e=errors: e.append(f"HTTP {r.status}: {r.url}")
-                        if r.status >= 400 else None)
+                page.on(
+                    "response", lambda r, e=errors: e.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None
+                )
                 response = page.goto(f"{site_url}/{path}", wait_until="networkidle")
                 page.wait_for_load_state("networkidle")  # the search worker's index, images: nothing in flight
                 heading = page.locator("article.md-content__inner h1").first

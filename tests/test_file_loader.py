@@ -104,14 +104,17 @@ def test_shutdown_keeps_files_until_their_ttl_unless_asked_to_remove_them(tmp_st
 
 
 def test_a_new_loader_removes_expired_files_a_dead_process_left(tmp_store):
-    done = subprocess.run([sys.executable, "-c", SAVE_AND_EXIT, str(tmp_store), "5"], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_AND_EXIT, str(tmp_store), "5"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     left = sorted(str(tmp_store / n) for n in os.listdir(tmp_store))
     assert len(left) == 5  # a collector that ended keeps its files for their TTL
     stale, fresh = left[:3], left[3:]
     others = {  # name -> age in seconds: none of these is the scan's to delete
-        "notes.txt": HOUR, "0001.tsl": HOUR, old_name(HOUR) + ".loaded": HOUR,
+        "notes.txt": HOUR,
+        "0001.tsl": HOUR,
+        old_name(HOUR) + ".loaded": HOUR,
         old_name(HOUR) + ".claimed-host-123": HOUR,  # a DirectorySource consumer claimed it
         f".{old_name(120)}.{uuid.uuid4().hex}.tmp": 120,  # being written: a temporary gets 10 minutes
     }
@@ -154,8 +157,9 @@ def test_ttl_none_keeps_every_file(tmp_store):
 
 
 def run_clean(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch_storage_loader", "clean", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "torch_storage_loader", "clean", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_clean_command(tmp_store):
@@ -173,12 +177,15 @@ def test_clean_command(tmp_store):
     dry = run_clean(str(tmp_store), "--older-than", "60", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines() == [f"would remove {p}" for p in old] + [
-        f"would remove 2 files older than 60 s from {tmp_store}"]
+        f"would remove 2 files older than 60 s from {tmp_store}"
+    ]
     assert all(os.path.exists(p) for p in [*old, young])
 
     real = run_clean(str(tmp_store), "--older-than", "60")
     assert real.returncode == 0, real.stderr
-    assert real.stdout.splitlines() == [f"removed {p}" for p in old] + [f"removed 2 files older than 60 s from {tmp_store}"]
+    assert real.stdout.splitlines() == [f"removed {p}" for p in old] + [
+        f"removed 2 files older than 60 s from {tmp_store}"
+    ]
     assert sorted(os.listdir(tmp_store)) == sorted([os.path.basename(young), "keep.txt"])
 
     again = run_clean(str(tmp_store), "--older-than", "60")
@@ -190,8 +197,9 @@ def test_clean_command(tmp_store):
 
 
 def test_help_describes_demo_and_clean():
-    out = subprocess.run([sys.executable, "-m", "torch_storage_loader", "--help"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch_storage_loader", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "demo" in out.stdout and "clean DIR --older-than SECONDS" in out.stdout
 
 

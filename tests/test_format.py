@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_storage_loader import FileStorage, PickleNotAllowedError, StorageCorruptError, StorageNotFoundError
-from torch_storage_loader import _format
+from torch_storage_loader._format import file as _format
 
 
 def test_exact_bytes(tmp_path):
@@ -21,9 +21,12 @@ def test_exact_bytes(tmp_path):
     header = b'{"arrays":[["numpy","<i2",[2],0,4]],"tree":["d",["a","b"],[["a",0],["f","0x1.8000000000000p+0"]]]}'
     data_offset = -(-(32 + len(header)) // 64) * 64
     expected = (
-        b"TSLSTOR\x00" + struct.pack("<IIQQ", 1, len(header), data_offset, 64) + header
+        b"TSLSTOR\x00"
+        + struct.pack("<IIQQ", 1, len(header), data_offset, 64)
+        + header
         + bytes(data_offset - 32 - len(header))
-        + b"\x01\x00\x02\x00" + bytes(60)
+        + b"\x01\x00\x02\x00"
+        + bytes(60)
     )
     assert path.read_bytes() == expected
 
@@ -39,7 +42,7 @@ def test_arrays_are_aligned_and_little_endian(tmp_path):
     e = header.arrays[1]
     assert e.dtype == "<u4"
     start = header.data_offset + e.offset
-    assert raw[start: start + e.nbytes] == np.arange(5, dtype="<u4").tobytes()
+    assert raw[start : start + e.nbytes] == np.arange(5, dtype="<u4").tobytes()
     back = FileStorage(path).load()
     assert back[1].dtype == np.dtype("<u4") and back[1].tolist() == [0, 1, 2, 3, 4]
 
@@ -57,16 +60,19 @@ def _saved(tmp_path) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda b: b[:-1], "truncated"),
-    (lambda b: b[:20], "truncated"),
-    (lambda b: b[:5], "truncated"),
-    (lambda b: b + b"x", "trailing"),
-    (lambda b: b"PK\x03\x04" + b[4:], "not a torch_storage_loader file"),
-    (lambda b: b"", "truncated"),
-    (lambda b: b[:8] + struct.pack("<I", 9) + b[12:], "version 9"),
-    (lambda b: b[:40] + b"\xff" + b[41:], "header is damaged"),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda b: b[:-1], "truncated"),
+        (lambda b: b[:20], "truncated"),
+        (lambda b: b[:5], "truncated"),
+        (lambda b: b + b"x", "trailing"),
+        (lambda b: b"PK\x03\x04" + b[4:], "not a torch_storage_loader file"),
+        (lambda b: b"", "truncated"),
+        (lambda b: b[:8] + struct.pack("<I", 9) + b[12:], "version 9"),
+        (lambda b: b[:40] + b"\xff" + b[41:], "header is damaged"),
+    ],
+)
 def test_bad_files_name_the_path(tmp_path, mutate, words):
     path = tmp_path / "bad.tsl"
     path.write_bytes(mutate(_saved(tmp_path)))

@@ -57,8 +57,13 @@ def test_importing_the_dataset_under_a_changed_torch_raises_unsupported_torch_er
         else:
             print("INSTALLED")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
     assert "_process_data(self, data)" in out.stdout and "torch >= 2.7" in out.stdout

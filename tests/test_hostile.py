@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import struct
@@ -22,15 +21,25 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
-from torch.utils.data import DataLoader
-
 from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
 from conftest import traj
-from torch_storage_loader import (FileStorage, FileStorageLoader, HandleRecordError, ObjectStorage, RedisStorageQueue,
-                                  RedisUnavailableError, StorageCorruptError, StorageDataset, StorageError,
-                                  end_directory_stream)
-from torch_storage_loader import _codec, _objects
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import (
+    FileStorage,
+    FileStorageLoader,
+    HandleRecordError,
+    ObjectStorage,
+    RedisStorageQueue,
+    RedisUnavailableError,
+    StorageCorruptError,
+    StorageDataset,
+    StorageError,
+    end_directory_stream,
+)
+from torch_storage_loader._format import codec as _codec
+from torch_storage_loader._stores import config as _stores_config
+from torch_storage_loader._stores import objects as _objects
 
 TIMEOUT = 60
 FIXED = struct.Struct("<8sIIQQ")
@@ -70,16 +79,22 @@ def _nested(depth: int) -> bytes:
 CRAFTED = {
     "float overflow": _one_array(["d", ["x", "f"], [["a", 0], ["f", "0x1p99999"]]]),
     "deep tree": _nested(3000),
-    "overlapping arrays": {"arrays": [["numpy", "<f4", [4], 0, 16], ["numpy", "<f4", [4], 0, 16]],
-                           "tree": ["l", [["a", 0], ["a", 1]]]},
+    "overlapping arrays": {
+        "arrays": [["numpy", "<f4", [4], 0, 16], ["numpy", "<f4", [4], 0, 16]],
+        "tree": ["l", [["a", 0], ["a", 1]]],
+    },
     "float nbytes": _one_array(["a", 0], nbytes=16.0),
     "bool in shape": _one_array(["a", 0], shape=(True, 16), nbytes=64),
     "huge complex": _one_array(["l", [["a", 0], ["c", "0x1p99999", "0x0p+0"]]]),
     "unknown tag": _one_array(["l", [["a", 0], ["SECRETTAG", 1]]]),
-    "list in a treetensor tree": {"arrays": [["torch", "float32", [4], 0, 16]],
-                                  "tree": ["tt", ["a", "b"], [["a", 0], ["l", []]]]},
-    "empty but too large to make": {"arrays": [["numpy", "<f4", [0, 2 ** 62], 0, 0], ["numpy", "<f4", [4], 0, 16]],
-                                    "tree": ["l", [["a", 0], ["a", 1]]]},
+    "list in a treetensor tree": {
+        "arrays": [["torch", "float32", [4], 0, 16]],
+        "tree": ["tt", ["a", "b"], [["a", 0], ["l", []]]],
+    },
+    "empty but too large to make": {
+        "arrays": [["numpy", "<f4", [0, 2**62], 0, 0], ["numpy", "<f4", [4], 0, 16]],
+        "tree": ["l", [["a", 0], ["a", 1]]],
+    },
 }
 
 
@@ -100,7 +115,7 @@ class Evil:
         return open, (self.marker, "w")
 
 
-def test_allow_pickle_must_be_a_json_boolean(redis_server, tmp_path):  # noqa: F811
+def test_allow_pickle_must_be_a_json_boolean(redis_server, tmp_path):
     marker = tmp_path / "unpickled"
     path = tmp_path / "p.tsl"
     FileStorage(path, allow_pickle=True).save({"x": Evil(str(marker))})
@@ -109,8 +124,10 @@ def test_allow_pickle_must_be_a_json_boolean(redis_server, tmp_path):  # noqa: F
     q.stats()  # the queue makes its stream and identity key before raw entries go in
     try:
         for value in (1, 1.0, "no", [0], "true"):
-            raw.xadd(q.stream, {"h": json.dumps({"type": "FileStorage", "fields": {"path": str(path),
-                                                                                   "allow_pickle": value}})})
+            raw.xadd(
+                q.stream,
+                {"h": json.dumps({"type": "FileStorage", "fields": {"path": str(path), "allow_pickle": value}})},
+            )
         q.close()
         got = list(DataLoader(StorageDataset(q), batch_size=None, num_workers=0))
         assert not marker.exists(), "a record with a truthy non-boolean allow_pickle made the consumer unpickle"
@@ -120,12 +137,14 @@ def test_allow_pickle_must_be_a_json_boolean(redis_server, tmp_path):  # noqa: F
         q.delete()
     for value in (1, 1.0, "no", [0], None):
         with pytest.raises(HandleRecordError, match="allow_pickle"):
-            _codec.decode(json.dumps({"type": "FileStorage", "fields": {"path": str(path), "allow_pickle": value}}),
-                          trusted_roots=[str(tmp_path)])
+            _codec.decode(
+                json.dumps({"type": "FileStorage", "fields": {"path": str(path), "allow_pickle": value}}),
+                trusted_roots=[str(tmp_path)],
+            )
 
 
 # ---------------------------------------------------------------------------------- confinement
-def test_network_handles_are_refused_without_trusted_roots(redis_server, tmp_path):  # noqa: F811
+def test_network_handles_are_refused_without_trusted_roots(redis_server, tmp_path):
     secret = tmp_path / "secret.tsl"
     FileStorage(secret).save(traj(7))
     q = RedisStorageQueue(redis_server.url, _stream())
@@ -140,7 +159,7 @@ def test_network_handles_are_refused_without_trusted_roots(redis_server, tmp_pat
         q.delete()
 
 
-def test_network_handles_load_only_under_trusted_roots(redis_server, tmp_path):  # noqa: F811
+def test_network_handles_load_only_under_trusted_roots(redis_server, tmp_path):
     ok, other = tmp_path / "run", tmp_path / "run-2"
     ok.mkdir()
     other.mkdir()
@@ -150,14 +169,20 @@ def test_network_handles_load_only_under_trusted_roots(redis_server, tmp_path): 
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[str(ok), "s3://bucket/run"])
     try:
         inside = [FileStorage(ok / "a.tsl"), ObjectStorage("s3://bucket/run/a.tsl", size=64)]
-        outside = [FileStorage(ok / ".." / "run-2" / "x.tsl"), FileStorage(other / "x.tsl"),
-                   FileStorage(ok / "dirlink" / "x.tsl"), FileStorage("relative/x.tsl"),
-                   ObjectStorage("s3://bucket/run-2/a.tsl"), ObjectStorage("s3://other/run/a.tsl"),
-                   ObjectStorage("s3://bucket/run/../secret.tsl"), ObjectStorage("gs://bucket/run/a.tsl")]
+        outside = [
+            FileStorage(ok / ".." / "run-2" / "x.tsl"),
+            FileStorage(other / "x.tsl"),
+            FileStorage(ok / "dirlink" / "x.tsl"),
+            FileStorage("relative/x.tsl"),
+            ObjectStorage("s3://bucket/run-2/a.tsl"),
+            ObjectStorage("s3://other/run/a.tsl"),
+            ObjectStorage("s3://bucket/run/../secret.tsl"),
+            ObjectStorage("gs://bucket/run/a.tsl"),
+        ]
         for h in inside + outside:
             q.put(h)
         assert q.get(timeout=5)[1] == inside[0] and q.get(timeout=5)[1] == inside[1]
-        for h in outside:
+        for h in outside:  # noqa: B007 -- only the count of refused entries matters
             with pytest.raises(StorageError, match="trusted_roots"):
                 q.get(timeout=5)
         assert q.stats()["refused"] == len(outside)
@@ -178,13 +203,14 @@ def test_dataset_storage_options_apply_to_their_buckets_only():
     before = _objects.snapshot()
     try:
         StorageDataset([ObjectStorage("s3://mine-bucket/a.tsl")], storage_options={"key": "K", "secret": "S"})
-        assert _objects._config_for("s3://mine-bucket/b.tsl").storage_options == {"key": "K", "secret": "S"}
-        assert _objects._config_for("s3://someone-else/x.tsl").storage_options == {}, \
+        assert _objects.config_for("s3://mine-bucket/b.tsl").storage_options == {"key": "K", "secret": "S"}
+        assert _objects.config_for("s3://someone-else/x.tsl").storage_options == {}, (
             "the consumer's credentials would be used for any bucket a handle names"
+        )
     finally:
-        with _objects._lock:
-            _objects._config.clear()
-            _objects._config.update(before)
+        with _stores_config._lock:
+            _stores_config._config.clear()
+            _stores_config._config.update(before)
 
 
 def test_errors_never_quote_file_contents(tmp_path):
@@ -212,19 +238,25 @@ def test_a_symlink_in_a_watched_directory_is_not_followed(tmp_path):
     assert ids == [1], "a symlink in the watched directory loaded a file outside it"
     assert (outside / "private.tsl").exists()
     with pytest.raises(StorageError, match="symbolic link"):
-        FileStorage(watched / [n for n in os.listdir(watched) if n.startswith("a.tsl")][0]).load()
+        FileStorage(watched / next(n for n in os.listdir(watched) if n.startswith("a.tsl"))).load()
 
 
 # ----------------------------------------------------------------------------------- poison entries
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_poison_entries_are_refused_never_raised_from_the_dataloader(redis_server, on_error):  # noqa: F811
+def test_poison_entries_are_refused_never_raised_from_the_dataloader(redis_server, on_error):
     q = RedisStorageQueue(redis_server.url, _stream())
     raw = _raw(redis_server.url)
     q.stats()  # the queue makes its stream and identity key before raw entries go in
     try:
-        poison = [{"h": "[" * 5000}, {"h": "{" * 5000}, {"h": b"\x80\x04junk"}, {"a": "1", "b": "2"},
-                  {"h": json.dumps({"type": "FileStorage", "fields": []})}, {"h": json.dumps([1] * 10)},
-                  {"h": json.dumps({"type": "FileStorage", "fields": {"path": "/x", "size": 10 ** 400}})[:-2]}]
+        poison = [
+            {"h": "[" * 5000},
+            {"h": "{" * 5000},
+            {"h": b"\x80\x04junk"},
+            {"a": "1", "b": "2"},
+            {"h": json.dumps({"type": "FileStorage", "fields": []})},
+            {"h": json.dumps([1] * 10)},
+            {"h": json.dumps({"type": "FileStorage", "fields": {"path": "/x", "size": 10**400}})[:-2]},
+        ]
         for fields in poison:
             raw.xadd(q.stream, fields)
         q.close()
@@ -237,7 +269,7 @@ def test_poison_entries_are_refused_never_raised_from_the_dataloader(redis_serve
         q.delete()
 
 
-def test_poison_entries_between_good_ones(redis_server, tmp_path):  # noqa: F811
+def test_poison_entries_between_good_ones(redis_server, tmp_path):
     goods = [_good(tmp_path, i) for i in range(4)]
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[str(tmp_path)])
     raw = _raw(redis_server.url)
@@ -262,8 +294,9 @@ def test_poison_entries_between_good_ones(redis_server, tmp_path):  # noqa: F811
 def test_a_crafted_file_never_breaks_a_loader_worker(tmp_path, name):
     bad = FileStorage(craft(tmp_path / "bad.tsl", CRAFTED[name], bytes(64)))
     good = _good(tmp_path, 3)
-    with FileStorageLoader(tmp_path / "own", ttl=None, worker_num=1, slots_per_worker=2,
-                           max_rings_per_worker=1) as loader:
+    with FileStorageLoader(
+        tmp_path / "own", ttl=None, worker_num=1, slots_per_worker=2, max_rings_per_worker=1
+    ) as loader:
         assert int(loader.load_async(good).result(timeout=TIMEOUT)["info"]["id"]) == 3  # rings mapped
         pid = loader._workers[0].proc.pid
         for _ in range(3):
@@ -280,8 +313,11 @@ def test_a_crafted_file_never_breaks_a_loader_worker(tmp_path, name):
 def test_a_crafted_file_is_skipped_under_a_dataloader(tmp_path, batch_size):
     handles = []
     for i, name in enumerate(sorted(CRAFTED)):
-        handles += [_good(tmp_path, 2 * i), FileStorage(craft(tmp_path / f"bad-{i}.tsl", CRAFTED[name], bytes(64))),
-                    _good(tmp_path, 2 * i + 1)]
+        handles += [
+            _good(tmp_path, 2 * i),
+            FileStorage(craft(tmp_path / f"bad-{i}.tsl", CRAFTED[name], bytes(64))),
+            _good(tmp_path, 2 * i + 1),
+        ]
     ds = StorageDataset(handles, on_error="skip", batch_size=batch_size)
     out = list(DataLoader(ds, batch_size=None, num_workers=1, timeout=TIMEOUT))
     ids = [int(i) for s in out for i in (s["info"]["id"] if batch_size else [s["info"]["id"]])]
@@ -301,7 +337,7 @@ def test_a_pickled_leaf_is_refused_where_it_is_read_and_skipped(tmp_path):
 
 
 def test_a_refused_batch_never_leaks_a_slot(tmp_path):
-    from torch_storage_loader._worker import SlotFiller
+    from torch_storage_loader._shm.filling import SlotFiller
 
     small = {"x": np.arange(4, dtype=np.float32)}
     goods = []
@@ -325,7 +361,9 @@ def test_a_refused_batch_never_leaks_a_slot(tmp_path):
 
 
 def test_stacking_files_with_long_keys_costs_what_they_weigh(tmp_path):
-    from torch_storage_loader import SampleMismatchError, _batch, _format
+    from torch_storage_loader import SampleMismatchError
+    from torch_storage_loader._format import batch as _batch
+    from torch_storage_loader._format import file as _format
 
     def chain(tag: str) -> dict:
         sample: dict = {"x": np.zeros(2, np.float32)}
@@ -404,9 +442,15 @@ def test_claim_names_of_any_kind_never_crash_a_consumer(tmp_path):
     host = socket.gethostname()
     watched = tmp_path / "w"
     watched.mkdir()
-    for name in (f"a.tsl.claimed-{host}-fam-\u00b2", f"b.tsl.claimed-{host}-fam-{10 ** 20}",
-                 f"c.tsl.claimed-{host}-\u0663-1", f"d.tsl.claimed-{host}-{10 ** 30}-1", "e.tsl.claimed-",
-                 f"f.tsl.claimed-{host}--1", f"g.tsl.claimed-{host}-fam-0"):
+    for name in (
+        f"a.tsl.claimed-{host}-fam-\u00b2",
+        f"b.tsl.claimed-{host}-fam-{10**20}",
+        f"c.tsl.claimed-{host}-\u0663-1",
+        f"d.tsl.claimed-{host}-{10**30}-1",
+        "e.tsl.claimed-",
+        f"f.tsl.claimed-{host}--1",
+        f"g.tsl.claimed-{host}-fam-0",
+    ):
         (watched / name).write_bytes(b"claimed by someone")
     long_name = "x" * (255 - len(".tsl")) + ".tsl"
     FileStorage(watched / "short.tmp").save(traj(8))
@@ -432,7 +476,7 @@ def test_prefix_claim_bodies_of_any_kind_are_ignored_and_counted():
     bodies = {
         "a": b"[1, 2]",
         "b": b"[" * 5000,
-        "c": json.dumps({"host": host, "family": "fam", "pid": 10 ** 20, "nonce": "n"}).encode(),
+        "c": json.dumps({"host": host, "family": "fam", "pid": 10**20, "nonce": "n"}).encode(),
         "d": json.dumps({"host": host, "family": "\u00b2", "pid": 1, "nonce": "n"}).encode(),
         "e": json.dumps({"host": host, "family": "x", "pid": 1, "nonce": "n", "pad": "p" * (2 << 20)}).encode(),
         "f": b"\xff\xfe not json",
@@ -470,24 +514,26 @@ def test_header_parse_cost_is_bounded(tmp_path):
     strings = craft(tmp_path / "strs.tsl", b'{"arrays":[],"tree":["l",[' + b",".join([b'"ab"'] * (1 << 19)) + b"]]}")
     for path in (lists, strings):
         assert os.path.getsize(path) > 2 << 20
-        peak = _traced_peak(lambda: FileStorage(path).load())
+        peak = _traced_peak(lambda: FileStorage(path).load())  # noqa: B023 -- called within this iteration
         assert peak < 12 << 20, f"parsing a {os.path.getsize(path) >> 20} MiB header took {peak >> 20} MiB"
 
 
 def test_parsed_headers_are_cached_within_a_size_bound():
-    from torch_storage_loader import _format, _slots, _tree
+    from torch_storage_loader._format import file as _format
+    from torch_storage_loader._format import tree as _tree
+    from torch_storage_loader._shm import refs as _refs
 
     _tree._plans.clear()
     opts = _format.ReadOptions()
     for i in range(40):
         header = _format.Header(["s", f"{i}" * (1 << 20)], (), 0, 0)
-        _tree.plan_for(_slots.plan_key(header, opts))
+        _tree.plan_for(_refs.plan_key(header, opts))
     cached = sum(len(k) for k in _tree._plans)
     _tree._plans.clear()
     assert cached <= 16 << 20, f"{cached >> 20} MiB of headers cached"
 
 
-def test_redis_entries_are_size_checked_before_they_are_read(fresh_redis_server):  # noqa: F811
+def test_redis_entries_are_size_checked_before_they_are_read(fresh_redis_server):
     server = fresh_redis_server()
     q = RedisStorageQueue(server.url, _stream())
     raw = _raw(server.url)
@@ -502,7 +548,7 @@ def test_redis_entries_are_size_checked_before_they_are_read(fresh_redis_server)
 
         before = sent()
         for _ in range(2):
-            with pytest.raises(HandleRecordError, match="bytes|field"):
+            with pytest.raises(HandleRecordError, match=r"bytes|field"):
                 q.get(timeout=5)
         assert sent() - before < 1 << 20, "the whole entry crossed the network before its size was checked"
         assert q.stats()["refused"] == 2
@@ -524,14 +570,16 @@ def test_object_reads_keep_a_bounded_window_in_flight():
 
 
 # ------------------------------------------------------------------------------------------ secrets
-def test_passwords_never_show_whatever_the_url_form(fresh_redis_server, caplog):  # noqa: F811
+def test_passwords_never_show_whatever_the_url_form(fresh_redis_server, caplog):
     password, user = "pw-1a2b3c4d5e6f", "default"
     server = fresh_redis_server(password=password)
     caplog.set_level(logging.DEBUG)
     port = server.port
-    forms = [f"redis://127.0.0.1:{port}/0?password={password}",
-             f"redis://127.0.0.1:{port}/0?username={user}&password={password}",
-             f"redis://{user}:{password}@127.0.0.1:{port}/0"]
+    forms = [
+        f"redis://127.0.0.1:{port}/0?password={password}",
+        f"redis://127.0.0.1:{port}/0?username={user}&password={password}",
+        f"redis://{user}:{password}@127.0.0.1:{port}/0",
+    ]
     shown = []
     for url in forms:
         q = RedisStorageQueue(url, _stream())
@@ -542,10 +590,10 @@ def test_passwords_never_show_whatever_the_url_form(fresh_redis_server, caplog):
             q.delete()
         wrong = url.replace(password, "wrong-" + password)
         with pytest.raises(RedisUnavailableError) as bad:
-            RedisStorageQueue(wrong, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+            RedisStorageQueue(wrong, _stream(), retry_timeout=0.5).put(FileStorage("/p/1.tsl"))
         closed = url.replace(str(port), "1")
         with pytest.raises(RedisUnavailableError) as down:
-            RedisStorageQueue(closed, _stream(), retry_for=0.5).put(FileStorage("/p/1.tsl"))
+            RedisStorageQueue(closed, _stream(), retry_timeout=0.5).put(FileStorage("/p/1.tsl"))
         shown += [str(bad.value), str(down.value), bad.value.url, down.value.url]
     tls = RedisStorageQueue(f"rediss://127.0.0.1:{port}/0?ssl_password={password}&ssl_keyfile=/k.pem", _stream())
     shown += [repr(tls), tls.url, repr(RedisStorageQueue(f"unix:///tmp/r.sock?db=0&password={password}", "s"))]
@@ -595,12 +643,13 @@ def _hold_then_fork(lock, use) -> int:
 
 
 def test_module_locks_are_renewed_at_fork():
-    from torch_storage_loader import dataset
+    from torch_storage_loader._dataloader import items
+    from torch_storage_loader._shm.alloc import FillInfo
 
     cases = {
-        "_objects": (lambda: _objects._lock, lambda: _objects.snapshot()),
+        "_stores.config": (lambda: _stores_config._lock, lambda: _objects.snapshot()),
         "_codec": (lambda: _codec._lock, lambda: _codec.registered_storage_types()),
-        "dataset": (lambda: dataset._stats_lock, lambda: dataset._count("x", "slot", 1, False, False, 0)),
+        "dataset": (lambda: items._stats_lock, lambda: items.record("x", FillInfo("slot", 1), 0)),
     }
     for name, (lock, use) in cases.items():
         status = _hold_then_fork(lock(), use)
@@ -643,8 +692,9 @@ def test_the_ledger_thread_survives_garbage_from_a_worker(caplog):
 
 def test_shutdown_is_bounded_while_the_object_store_is_down(tmp_path):
     opts = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:1"}  # nothing listens there
-    loader = FileStorageLoader(f"s3://tsl-down-{uuid.uuid4().hex[:6]}/p", ttl=1, worker_num=1,
-                               storage_options=opts, retry_timeout=60)
+    loader = FileStorageLoader(
+        f"s3://tsl-down-{uuid.uuid4().hex[:6]}/p", ttl=1, worker_num=1, storage_options=opts, retry_timeout=60
+    )
     with pytest.raises(StorageError):
         loader.load_async(FileStorage(tmp_path / "missing.tsl")).result(timeout=TIMEOUT)  # starts the cleaner
     time.sleep(1.5)  # its first listing of the prefix is being retried now
@@ -655,7 +705,7 @@ def test_shutdown_is_bounded_while_the_object_store_is_down(tmp_path):
 
 
 def test_local_unlinks_run_outside_the_loaders_locks(tmp_path, monkeypatch):
-    from torch_storage_loader import _clean
+    from torch_storage_loader._stores import clean as _clean
 
     a = FileStorageLoader(tmp_path, ttl=0.5, worker_num=1)
     b = FileStorageLoader(tmp_path, ttl=0.5, worker_num=1)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pickle
 
+import _helpers
 import lightning.pytorch as pl
 import pytest
-
-import _helpers
 from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import traj
-from torch_storage_loader import StorageQueue
+
+from torch_storage_loader import StorageDataset, StorageQueue
 from torch_storage_loader.lightning import StorageDataModule, StorageStatsCallback
 
 pytestmark = [
@@ -31,9 +31,16 @@ pytestmark = [
 
 def trainer(tmp_path, **kw):
     kw.setdefault("max_steps", 6)
-    return pl.Trainer(accelerator="cpu", devices=1, logger=pl.loggers.CSVLogger(tmp_path / "logs"),
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                      callbacks=[StorageStatsCallback()] + kw.pop("callbacks", []), **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=pl.loggers.CSVLogger(tmp_path / "logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[StorageStatsCallback()] + kw.pop("callbacks", []),
+        **kw,
+    )
 
 
 def test_fit_finite_source_with_epochs(tmp_path, handles):
@@ -78,7 +85,8 @@ def test_fit_from_an_object_store_prefix_keeps_credentials_out_of_checkpoints(tm
     dm.teardown("fit")
     assert sorted(model.seen) == list(range(12))
     saved = (tmp_path / "ckpt" / "last.ckpt").read_bytes() + b"".join(
-        p.read_bytes() for p in (tmp_path / "logs").rglob("hparams.yaml"))
+        p.read_bytes() for p in (tmp_path / "logs").rglob("hparams.yaml")
+    )
     assert s3_server.SECRET.encode() not in saved and b"batch_size" in saved
 
 
@@ -100,9 +108,17 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
     dm = StorageDataModule(handles, batch_size=2, num_workers=1)
     rec = tmp_path / "rec"
     rec.mkdir()
-    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=tmp_path)
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     t.fit(_helpers.tiny_model(str(rec)), datamodule=dm)
     seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
     assert not set(seen[0]) & set(seen[1])
@@ -112,6 +128,7 @@ def test_ddp_spawn_splits_a_finite_source(tmp_path, handles):
 def _closed_queue(tmp_path, n: int) -> StorageQueue:
     """A closed StorageQueue of ``n`` saved trajectories tagged 0..n-1."""
     from conftest import traj
+
     from torch_storage_loader import FileStorage
 
     q = StorageQueue()
@@ -142,10 +159,10 @@ def test_unconfirmed_batches_beyond_two_count_as_used(tmp_path):
     """A loop that never marks batches consumed (training_step(self, dataloader_iter)): at most the
     two batches fetched last go back, so nothing is lost and at most two are seen twice."""
     from torch_storage_loader import StorageDataset
-    from torch_storage_loader.lightning import _ConsumedStateLoader
+    from torch_storage_loader._dataloader.consumed import ConsumedStateLoader
 
     q = _closed_queue(tmp_path, 30)
-    loader = _ConsumedStateLoader(StorageDataset(q), confirm_delivery=True, batch_size=None, num_workers=2)
+    loader = ConsumedStateLoader(StorageDataset(q), confirm_delivery=True, batch_size=None, num_workers=2)
     got = []
     for k, sample in enumerate(loader):
         got.append(int(sample["info"]["id"]))
@@ -162,9 +179,17 @@ def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     rec = tmp_path / "rec"
     rec.mkdir()
     dm = StorageDataModule(q, batch_size=2, num_workers=1)
-    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=tmp_path)
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     t.fit(_helpers.tiny_model(str(rec)), datamodule=dm)
     for p in producers:
         p.join()
@@ -174,12 +199,12 @@ def test_ddp_spawn_shared_stream_gives_each_handle_to_one_rank(tmp_path):
     assert not set(seen[0]) & set(seen[1])
 
 
-def test_ddp_spawn_over_redis_trains_on_each_sample_once(tmp_path, redis_server):  # noqa: F811
+def test_ddp_spawn_over_redis_trains_on_each_sample_once(tmp_path, redis_server):
     import uuid
 
+    from conftest import traj
     from torch.utils.data import DataLoader
 
-    from conftest import traj
     from torch_storage_loader import FileStorage, RedisStorageQueue, StorageDataset
 
     q = RedisStorageQueue(redis_server.url, f"s-{uuid.uuid4().hex[:8]}", trusted_roots=EVERYWHERE)
@@ -191,9 +216,17 @@ def test_ddp_spawn_over_redis_trains_on_each_sample_once(tmp_path, redis_server)
         q.close()
         rec = tmp_path / "rec"
         rec.mkdir()
-        t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=10, logger=False,
-                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                       default_root_dir=tmp_path)
+        t = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+            max_steps=10,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path,
+        )
         t.fit(_helpers.tiny_model(str(rec)), datamodule=StorageDataModule(q, batch_size=2, num_workers=1))
         seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
         assert len(seen[0]) == len(seen[1]) == 20
@@ -229,7 +262,7 @@ def test_finite_source_sizes_epochs_and_shuffles_each_epoch(tmp_path, handles):
     t = trainer(tmp_path, max_epochs=3, max_steps=-1)
     t.fit(model, datamodule=dm)
     assert t.num_training_batches == len(dm.train_dataset) == 6
-    epochs = [model.seen[24 * e:24 * (e + 1)] for e in range(3)]
+    epochs = [model.seen[24 * e : 24 * (e + 1)] for e in range(3)]
     for e, seen in enumerate(epochs):  # the trainer's epoch reached the persistent workers
         g = torch.Generator()
         g.manual_seed(3 + e)
@@ -244,9 +277,17 @@ def test_ddp_spawn_uneven_source_same_batches_on_every_rank(tmp_path, handles, d
     dm = StorageDataModule(handles[:5], batch_size=2, num_workers=1, shuffle=True, drop_last=drop_last)
     rec = tmp_path / "rec"
     rec.mkdir()
-    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=tmp_path)
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     t.fit(_helpers.TinyCounting(str(rec)), datamodule=dm)
     seen = [[int(x) for x in (rec / f"rank{r}.txt").read_text().split()] for r in range(2)]
     counts = [tuple(int(x) for x in (rec / f"rank{r}.batches").read_text().split()) for r in range(2)]
@@ -254,8 +295,23 @@ def test_ddp_spawn_uneven_source_same_batches_on_every_rank(tmp_path, handles, d
     assert counts == [(per_rank, 2 * per_rank)] * 2  # num_training_batches, steps over 2 epochs
     assert len(seen[0]) == len(seen[1]) == 2 * samples
     for e in range(2):
-        epoch = [s[samples * e:samples * (e + 1)] for s in seen]
+        epoch = [s[samples * e : samples * (e + 1)] for s in seen]
         if drop_last:
             assert len(set(epoch[0] + epoch[1])) == 4
         else:
             assert set(epoch[0] + epoch[1]) == set(range(5))  # every handle trained on, one twice
+
+
+def test_data_module_offers_every_dataset_option_and_checks_them_when_made():
+    import inspect
+
+    def keyword_only(fn):
+        return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    assert keyword_only(StorageDataset.__init__) <= keyword_only(StorageDataModule.__init__)
+    with pytest.raises(ValueError, match="slots_per_worker=0 must be >= 1"):
+        StorageDataModule([], slots_per_worker=0)
+    with pytest.raises(ValueError, match="max_shm_bytes=0 must be >= 1"):
+        StorageDataModule([], max_shm_bytes=0)
+    with pytest.raises(TypeError, match="shuffle=1 must be a bool"):
+        StorageDataModule([], shuffle=1)

@@ -14,12 +14,19 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-
 from _helpers import KillStorage, MemoryStorage, SleepStorage
 from conftest import START_METHODS, assert_same, traj
-from torch_storage_loader import (FileStorage, FileStorageLoader, InsufficientSharedMemoryError, LoadCancelledError,
-                                  StorageCorruptError, StorageNotFoundError, WorkerDiedError)
-from torch_storage_loader._shm import ShmSegment
+
+from torch_storage_loader import (
+    FileStorage,
+    FileStorageLoader,
+    InsufficientSharedMemoryError,
+    LoadCancelledError,
+    StorageCorruptError,
+    StorageNotFoundError,
+    WorkerDiedError,
+)
+from torch_storage_loader._shm.segments import ShmSegment
 
 
 def collect(loader, storages, keep=True, timeout=60):
@@ -29,6 +36,7 @@ def collect(loader, storages, keep=True, timeout=60):
         def inner(obj):
             with lock:
                 got[i] = obj if keep else None
+
         return inner
 
     futures = [loader.load(s, cb(i)) for i, s in enumerate(storages)]
@@ -51,7 +59,7 @@ def test_roundtrip_through_workers(tmp_store, method):
         storages = [loader.save(s) for s in samples]
         out = collect(loader, storages)
         stats = loader.stats()
-    for a, b in zip(samples, out):
+    for a, b in zip(samples, out, strict=False):
         assert_same(a, b)
     assert stats.loads == len(samples) and stats.errors == 0
     # Every load goes through a worker's slots (the first one sizes them).
@@ -80,8 +88,9 @@ def test_dropped_samples_free_their_slots(tmp_store):
     # all queued at once, so each is sent to the worker by the receiving thread, after it let go of
     # the previous sample. A lease that is never released makes every later load a fallback.
     n = 30
-    with FileStorageLoader(tmp_store, worker_num=1, slots_per_worker=1, max_rings_per_worker=1,
-                           max_inflight_per_worker=1) as loader:
+    with FileStorageLoader(
+        tmp_store, worker_num=1, slots_per_worker=1, max_rings_per_worker=1, max_inflight_per_worker=1
+    ) as loader:
         storages = [loader.save(traj(i)) for i in range(n)]
         collect(loader, storages, keep=False)
         stats = loader.stats()
@@ -103,7 +112,7 @@ def test_later_samples_that_differ_are_delivered_exactly(tmp_store):
     with FileStorageLoader(tmp_store, worker_num=1) as loader:
         out = collect(loader, [loader.save(s) for s in samples])
         stats = loader.stats()
-    for a, b in zip(samples, out):
+    for a, b in zip(samples, out, strict=False):
         assert_same(a, b)
     assert stats.regrows >= 1 and stats.errors == 0
 
@@ -113,7 +122,7 @@ def test_non_file_storages_use_the_slot_path():
     with FileStorageLoader("unused", worker_num=2) as loader:
         out = collect(loader, [MemoryStorage(s) for s in samples])
         stats = loader.stats()
-    for a, b in zip(samples, out):
+    for a, b in zip(samples, out, strict=False):
         assert_same(a, b)
     assert stats.slot_loads == 6
 
@@ -237,8 +246,7 @@ def test_too_little_shared_memory_is_a_clear_error():
 def tiny_shm(tmp_path, monkeypatch):
     where = tmp_path / "tiny"
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     monkeypatch.setenv("TORCH_STORAGE_LOADER_SHM_DIR", str(where))
     yield where
@@ -272,8 +280,12 @@ def test_clean_exit_under_dev_mode_and_werror(tmp_path, method):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(CLEAN_EXIT))
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.run([sys.executable, "-X", "dev", "-W", "error", str(script), str(tmp_path / "s"), method],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", str(script), str(tmp_path / "s"), method],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "done"
     assert proc.stderr == "", proc.stderr
@@ -299,8 +311,9 @@ if __name__ == "__main__":
 def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(CTRL_C))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2
     time.sleep(0.5)
@@ -320,3 +333,13 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_stats_read_by_attribute_or_by_name_like_every_stats():
+    from torch_storage_loader import LoaderStats
+
+    stats = LoaderStats(loads=3, bytes=10)
+    assert stats.loads == stats["loads"] == 3 and dict(stats) == stats.as_dict()
+    assert "bytes" in stats and len(stats) == len(stats.as_dict())
+    with pytest.raises(KeyError):
+        stats["as_dict"]

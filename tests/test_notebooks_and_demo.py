@@ -10,9 +10,8 @@ import tempfile
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
-
 from _redis_server import fresh_redis_server  # noqa: F401  (fixture)
+from nbclient import NotebookClient
 
 NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 
@@ -49,9 +48,27 @@ def test_committed_notebooks_carry_outputs_of_a_run():
 def test_demo_command_runs_and_cleans_up():
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tsl-demo-*")))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_storage_loader", "demo", "--collectors", "2", "--trajectories", "6",
-         "--steps", "8", "--size", "32", "--train-steps", "4", "--no-progress-bar"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch_storage_loader",
+            "demo",
+            "--collectors",
+            "2",
+            "--trajectories",
+            "6",
+            "--steps",
+            "8",
+            "--size",
+            "32",
+            "--train-steps",
+            "4",
+            "--no-progress-bar",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "streaming from collectors, StorageDataModule" in proc.stdout
     assert "same files, plain DataLoader" in proc.stdout
@@ -61,11 +78,31 @@ def test_demo_command_runs_and_cleans_up():
 def test_demo_hands_over_through_redis(fresh_redis_server):
     server = fresh_redis_server()  # skips, saying why, where redis-server is missing
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_storage_loader", "demo", "--collectors", "2", "--trajectories", "4",
-         "--steps", "8", "--size", "32", "--train-steps", "3", "--no-progress-bar", "--redis", server.url],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch_storage_loader",
+            "demo",
+            "--collectors",
+            "2",
+            "--trajectories",
+            "4",
+            "--steps",
+            "8",
+            "--size",
+            "32",
+            "--train-steps",
+            "3",
+            "--no-progress-bar",
+            "--redis",
+            server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "through Redis Streams" in proc.stdout and "same files, plain DataLoader" in proc.stdout
     import redis
 
-    assert not [k for k in redis.Redis.from_url(server.url).keys("tsl-demo-*")]  # the stream was deleted
+    assert not list(redis.Redis.from_url(server.url).keys("tsl-demo-*"))  # the stream was deleted

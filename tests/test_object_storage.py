@@ -17,19 +17,32 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from torch.utils.data import DataLoader
-
 from _s3_server import fresh_s3_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import assert_same, traj
-from torch_storage_loader import (FileStorage, FileStorageLoader, ObjectStorage, StorageCorruptError,
-                                  StorageDataset, StorageNotFoundError, StorageUnavailableError,
-                                  configure_object_store, end_directory_stream)
-from torch_storage_loader import _objects
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import (
+    FileStorage,
+    FileStorageLoader,
+    ObjectStorage,
+    StorageCorruptError,
+    StorageDataset,
+    StorageNotFoundError,
+    StorageUnavailableError,
+    configure_object_store,
+    end_directory_stream,
+)
+from torch_storage_loader._stores import objects as _objects
 
 
 def _tree(i: int, n: int) -> dict:
-    return {"obs": np.full((n, 64), i, np.float32), "act": torch.full((n,), i, dtype=torch.int64),
-            "tt": ttorch.Tensor({"a": torch.ones(3) * i}), "name": f"t{i}", "step": i}
+    return {
+        "obs": np.full((n, 64), i, np.float32),
+        "act": torch.full((n,), i, dtype=torch.int64),
+        "tt": ttorch.Tensor({"a": torch.ones(3) * i}),
+        "name": f"t{i}",
+        "step": i,
+    }
 
 
 def test_roundtrip_through_loader_workers_small_and_chunked(s3_server, s3_bucket):
@@ -42,7 +55,7 @@ def test_roundtrip_through_loader_workers_small_and_chunked(s3_server, s3_bucket
         assert all(type(h) is ObjectStorage and h.size > 0 and h.version for h in handles)
         got = [f.result(timeout=60) for f in [loader.load_async(h) for h in handles]]
         stats = loader.stats()
-    for x, y in zip(samples, got):
+    for x, y in zip(samples, got, strict=False):
         assert_same(x, y)
     assert stats.slot_loads + stats.oversize == len(sizes) and stats.fallbacks == stats.errors == 0
 
@@ -54,10 +67,16 @@ def test_handles_carry_no_credentials_and_load_in_a_fresh_process(s3_server, s3_
     assert s3_server.SECRET.encode() not in blob and s3_server.endpoint.encode() not in blob
     assert sorted(vars(handle)) == ["allow_pickle", "path", "size", "version"]
     # Another process with nothing configured reads with the client's defaults: the environment.
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.KEY, "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
-           "AWS_ENDPOINT_URL": s3_server.endpoint}
-    code = ("import pickle, sys; x = pickle.loads(sys.stdin.buffer.read()).load(); "
-            "print(x['info']['id'], float(x['obs'].sum()))")
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.KEY,
+        "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+    }
+    code = (
+        "import pickle, sys; x = pickle.loads(sys.stdin.buffer.read()).load(); "
+        "print(x['info']['id'], float(x['obs'].sum()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], input=blob, env=env, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout.split() == [b"3", str(float(traj(3)["obs"].sum())).encode()]
@@ -95,13 +114,16 @@ def test_missing_truncated_foreign_and_replaced_objects_name_the_url(s3_server, 
     cases = {
         "missing": (ObjectStorage(f"s3://{s3_bucket}/missing.tsl"), StorageNotFoundError, "no such object"),
         "truncated": (ObjectStorage(f"s3://{s3_bucket}/cut.tsl"), StorageCorruptError, "truncated"),
-        "truncated, size from the handle": (ObjectStorage(f"s3://{s3_bucket}/cut.tsl", size=len(raw)),
-                                            StorageCorruptError, "truncated"),
+        "truncated, size from the handle": (
+            ObjectStorage(f"s3://{s3_bucket}/cut.tsl", size=len(raw)),
+            StorageCorruptError,
+            "truncated",
+        ),
         "foreign": (ObjectStorage(f"s3://{s3_bucket}/foreign.tsl"), StorageCorruptError, "not a torch_storage_loader"),
     }
     with FileStorageLoader(f"s3://{s3_bucket}/x", worker_num=1) as loader:
         for what, (handle, error, text) in cases.items():
-            for load in (handle.load, lambda: loader.load_async(handle).result(timeout=60)):
+            for load in (handle.load, lambda: loader.load_async(handle).result(timeout=60)):  # noqa: B023 -- called within this iteration
                 with pytest.raises(error, match=text) as info:
                     load()
                 assert handle.url in str(info.value), what
@@ -129,8 +151,12 @@ def test_ttl_cleans_the_prefix_and_clean_command_takes_a_prefix(s3_server, s3_bu
     # Left by a producer that is gone: the command deletes by the store's last-modified time.
     for i in range(2):
         ObjectStorage(f"{prefix}/{_new_name()}").save(traj(i))
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.KEY, "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
-           "AWS_ENDPOINT_URL": s3_server.endpoint}
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.KEY,
+        "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+    }
     run = [sys.executable, "-m", "torch_storage_loader", "clean", prefix, "--older-than", "0"]
     dry = subprocess.run(run + ["--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and "would remove 2 files" in dry.stdout, dry.stdout + dry.stderr
@@ -153,11 +179,17 @@ def test_prefix_stream_stops_early_then_drains_exactly_once(s3_server, s3_bucket
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     orphan = handles[-1].url + ".claim"
-    _objects.put(orphan, [json.dumps({"host": os.uname().nodename, "family": str(dead.pid), "pid": dead.pid,
-                                      "nonce": "0123456789abcdef"}).encode()])  # as a trainer writes it
+    _objects.put(
+        orphan,
+        [
+            json.dumps(
+                {"host": os.uname().nodename, "family": str(dead.pid), "pid": dead.pid, "nonce": "0123456789abcdef"}
+            ).encode()
+        ],
+    )  # as a trainer writes it
     end_directory_stream(prefix)
     seen = []
-    for round_ in range(3):
+    for round_ in range(3):  # noqa: B007 -- three identical rounds
         ds = StorageDataset(prefix, storage_options=s3_server.storage_options)
         for k, x in enumerate(DataLoader(ds, batch_size=None, num_workers=2)):
             seen.append(int(x["info"]["id"]))
@@ -179,8 +211,11 @@ def test_prefix_claims_are_exclusive_between_consumers(s3_server, s3_bucket):
 
     def claim_all(k):
         for i, url in enumerate(names):
-            if _objects.create_if_absent(url + ".claim", f'{{"consumer": {k}}}'.encode()):  # bodies differ, as claims do
+            if _objects.create_if_absent(
+                url + ".claim", f'{{"consumer": {k}}}'.encode()
+            ):  # bodies differ, as claims do
                 wins[i] += 1
+
     threads = [threading.Thread(target=claim_all, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
@@ -208,8 +243,9 @@ def test_a_server_that_is_gone_gives_a_clear_error(fresh_s3_server):
 def test_loads_ride_out_a_server_restart(fresh_s3_server):
     server = fresh_s3_server()
     bucket = server.make_bucket()
-    with FileStorageLoader(f"s3://{bucket}/r", worker_num=2, storage_options=server.storage_options,
-                           retry_timeout=90) as loader:
+    with FileStorageLoader(
+        f"s3://{bucket}/r", worker_num=2, storage_options=server.storage_options, retry_timeout=90
+    ) as loader:
         handles = [loader.save(traj(i)) for i in range(10)]
         assert loader.load_async(handles[0]).result(timeout=60)["info"]["id"] == 0  # workers up, clients made
         server.stop()
@@ -261,8 +297,12 @@ def test_workers_forked_from_a_trainer_that_uses_obstore_still_load(s3_server, s
     """obstore's runtime hangs in a forked child: workers forked from a process that imported it read with s3fs."""
     urls = [h.url for h in _saved(s3_server, s3_bucket, "f", 6)]
     cfg = json.dumps({"options": s3_server.storage_options, "bucket": s3_bucket, "urls": urls})
-    proc = subprocess.Popen([sys.executable, "-c", _USES_OBSTORE_ITSELF, cfg], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _USES_OBSTORE_ITSELF, cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -293,13 +333,15 @@ def test_chunked_reads_of_a_missing_object_name_it(tmp_path):
 
 
 def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server, s3_bucket):
-    from torch_storage_loader import UntrustedStorageError, _codec, _trust
+    from torch_storage_loader import UntrustedStorageError
+    from torch_storage_loader._format import codec as _codec
+    from torch_storage_loader._format import trust as _trust
 
     configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
     with FileStorageLoader(f"s3://{s3_bucket}/m", worker_num=1, retry_timeout=60) as loader:
         h = loader.save(traj(4))  # the options set before still apply: retry_timeout alone changed
         assert loader.load_async(h).result(timeout=60)["info"]["id"] == 4
-    assert _objects._config_for(h.url) == _objects.Config(s3_server.storage_options, 60)
+    assert _objects.config_for(h.url) == _objects.Config(s3_server.storage_options, 60)
     assert s3_server.SECRET not in repr(_objects.snapshot())
     roots = _trust.roots([f"s3://{s3_bucket}"])
     assert _codec.decode(_codec.encode(h), trusted_roots=roots) == h
@@ -313,7 +355,8 @@ def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server,
 
 _READS_THROUGH_OBSTORE = """
 import json, sys
-from torch_storage_loader import ObjectStorage, _objects
+from torch_storage_loader import ObjectStorage
+from torch_storage_loader._stores import objects as _objects
 
 cfg = json.loads(sys.argv[1])
 _objects.configure_object_store(cfg["url"], cfg["options"])
@@ -327,7 +370,8 @@ def test_workers_read_s3_through_obstore_with_the_loaders_options(s3_server, s3_
     """The s3fs options translate to an obstore store (else workers would fall back to s3fs quietly)."""
     (h,) = _saved(s3_server, s3_bucket, "o", 1)
     cfg = json.dumps({"url": h.url, "options": s3_server.storage_options, "size": h.size, "version": h.version})
-    out = subprocess.run([sys.executable, "-c", _READS_THROUGH_OBSTORE, cfg], capture_output=True, text=True,
-                         timeout=120)  # a process of its own: obstore must never start in this one
+    out = subprocess.run(
+        [sys.executable, "-c", _READS_THROUGH_OBSTORE, cfg], capture_output=True, text=True, timeout=120
+    )  # a process of its own: obstore must never start in this one
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["S3Store", "0"]

@@ -13,13 +13,19 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from torch.utils.data import DataLoader
-
 from _fake_gpu import FakeGPU, mapped
 from conftest import assert_same
-from torch_storage_loader import (FileStorage, FileStorageLoader, SampleTooLargeForDeviceError, SlotPinningWarning,
-                                  StorageDataset, StorageQueue)
-from torch_storage_loader import _pinning
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import (
+    FileStorage,
+    FileStorageLoader,
+    SampleTooLargeForDeviceError,
+    SlotPinningWarning,
+    StorageDataset,
+    StorageQueue,
+)
+from torch_storage_loader._shm import pinning as _pinning
 
 # Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
 # workers are forked here on purpose, and pytest.warns would re-raise that warning.
@@ -102,7 +108,9 @@ def test_registration_waits_until_the_process_uses_the_gpu(gpu, files):
 
 @pytest.mark.fake_gpu(refuse="cudaHostRegister returned 2, out of memory")
 def test_refusal_warns_once_and_loads_unpinned(gpu, files):
-    with pytest.warns(SlotPinningWarning, match=r"RLIMIT_MEMLOCK \(ulimit -l\) is .*docker run --ulimit memlock=-1") as w:
+    with pytest.warns(
+        SlotPinningWarning, match=r"RLIMIT_MEMLOCK \(ulimit -l\) is .*docker run --ulimit memlock=-1"
+    ) as w:
         out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
         out += [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
     assert sorted(out) == sorted(list(range(12)) * 2)
@@ -172,8 +180,13 @@ def rich(i: int) -> dict:
         "obs": np.full((4, 8), i, np.float32),
         "nested": [{"a": torch.arange(3) + i, "t": (np.int16(i), np.float64(i) / 2)}],
         "tree": ttorch.Tensor({"x": torch.full((2,), float(i)), "y": {"z": torch.ones(2, dtype=torch.bool)}}),
-        "name": f"s{i}", "raw": b"\x00\x01" * i, "chars": np.array(["ab", "c"]), "n": i, "none": None,
-        "empty": torch.empty(0, 3), "half": torch.full((5,), i, dtype=torch.bfloat16),
+        "name": f"s{i}",
+        "raw": b"\x00\x01" * i,
+        "chars": np.array(["ab", "c"]),
+        "n": i,
+        "none": None,
+        "empty": torch.empty(0, 3),
+        "half": torch.full((5,), i, dtype=torch.bfloat16),
     }
 
 
@@ -210,11 +223,17 @@ def rich_files(tmp_path):
 def test_device_samples_match_host_samples(gpu, tmp_path, num_workers, batch_size):
     rich_files = save_rich(tmp_path, stackable=batch_size is not None)
     want = list(DataLoader(StorageDataset(rich_files, batch_size=batch_size), batch_size=None, num_workers=num_workers))
-    got = list(DataLoader(StorageDataset(rich_files, batch_size=batch_size, device="cpu"), batch_size=None,
-                          num_workers=num_workers))
+    got = list(
+        DataLoader(
+            StorageDataset(rich_files, batch_size=batch_size, device="cpu"), batch_size=None, num_workers=num_workers
+        )
+    )
     assert len(got) == len(want)
-    for g, w in zip(sorted(got, key=lambda s: s["n"] if batch_size is None else s["n"][0]),
-                    sorted(want, key=lambda s: s["n"] if batch_size is None else s["n"][0])):
+    for g, w in zip(
+        sorted(got, key=lambda s: s["n"] if batch_size is None else s["n"][0]),
+        sorted(want, key=lambda s: s["n"] if batch_size is None else s["n"][0]),
+        strict=False,
+    ):
         assert_same(w, g)
         for t in tensors_of(g):
             assert data_ptr(t) in gpu.allocated or t.numel() == 0, "a tensor did not go through the device copy"

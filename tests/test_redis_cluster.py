@@ -7,9 +7,9 @@ import time
 import uuid
 
 import pytest
-
 from _redis_cluster import redis_cluster, redis_sentinel  # noqa: F401  (fixtures)
 from _redis_server import EVERYWHERE
+
 from torch_storage_loader import FileStorage, RedisStorageQueue
 from torch_storage_loader.redis_queue import stream_keys
 
@@ -31,7 +31,7 @@ def _flow(q: RedisStorageQueue, n: int, fault, *, consumers: int = 2, at: float 
                 for token, storage in mine:
                     got.append(storage.path)
                     mine.ack(token)
-        except Exception as exc:  # reported below
+        except Exception as exc:  # noqa: BLE001 -- reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=consume) for _ in range(consumers)]
@@ -87,8 +87,15 @@ def test_cluster_keys_share_a_slot_and_streams_spread_over_masters(redis_cluster
 @pytest.mark.slow
 def test_cluster_master_killed_replica_promoted_nothing_lost(redis_cluster):
     stream = _stream()
-    q = RedisStorageQueue(redis_cluster.url, stream, cluster=True, replicas=1, claim_after=2.0, retry_for=30.0,
-                          trusted_roots=EVERYWHERE)
+    q = RedisStorageQueue(
+        redis_cluster.url,
+        stream,
+        cluster=True,
+        replicas=1,
+        claim_after=2.0,
+        retry_timeout=30.0,
+        trusted_roots=EVERYWHERE,
+    )
     killed, failover = [], []
 
     def kill_master() -> None:
@@ -120,7 +127,7 @@ def test_cluster_master_killed_replica_promoted_nothing_lost(redis_cluster):
 def test_sentinel_url_follows_a_failover_nothing_lost(redis_sentinel):
     stream = _stream()
     url = redis_sentinel.url
-    q = RedisStorageQueue(url, stream, replicas=1, claim_after=2.0, retry_for=30.0, trusted_roots=EVERYWHERE)
+    q = RedisStorageQueue(url, stream, replicas=1, claim_after=2.0, retry_timeout=30.0, trusted_roots=EVERYWHERE)
     old = redis_sentinel.master_port()
     assert q.url == url and "sentinel" in repr(q)
     back = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import multiprocessing as mp
@@ -16,11 +15,18 @@ import time
 import uuid
 
 import pytest
-
 from _redis_server import EVERYWHERE, fresh_redis_server, redis_server  # noqa: F401  (fixtures)
-from torch_storage_loader import (FileStorage, HandleRecordError, ProducerDiedError, RedisStorageQueue,
-                                  RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError,
-                                  UnregisteredStorageTypeError)
+
+from torch_storage_loader import (
+    FileStorage,
+    HandleRecordError,
+    ProducerDiedError,
+    RedisStorageQueue,
+    RedisStreamLayoutError,
+    RedisStreamLostError,
+    RedisUnavailableError,
+    UnregisteredStorageTypeError,
+)
 from torch_storage_loader.redis_queue import stream_keys
 
 
@@ -55,6 +61,7 @@ def _join(procs, timeout: float = 60.0) -> None:
 
 # -- processes (module-level, so that spawned children can import them) ----------------------------
 
+
 def produce(q: RedisStorageQueue, k: int, count: int) -> None:
     with q.producer():
         for i in range(count):
@@ -80,6 +87,7 @@ def produce_then_die(q: RedisStorageQueue, name: str | None = None) -> None:
 
 
 # -- tests --------------------------------------------------------------------------------------------
+
 
 def test_put_get_ack_roundtrip(redis_server, handles):
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
@@ -147,10 +155,36 @@ def test_validation_and_pickle(redis_server):
     try:
         q.put(FileStorage("/a.tsl"))  # connected
         copy = pickle.loads(pickle.dumps(q))
-        assert copy._client is None and copy.consumer != q.consumer and copy.claim_after == 3
+        assert not copy._redis.connected and copy.consumer != q.consumer and copy.claim_after == 3
         assert copy.get(timeout=5)[1] == FileStorage("/a.tsl")
         with pytest.raises(TypeError, match="Storage handles"):
             q.put("/a.tsl")
+    finally:
+        q.delete()
+
+
+def test_retry_for_is_the_old_name_of_retry_timeout():
+    with pytest.warns(DeprecationWarning, match="use retry_timeout="):
+        q = RedisStorageQueue("redis://127.0.0.1:1/0", "s", retry_for=2.5)
+    assert q.retry_timeout == 2.5
+    assert pickle.loads(pickle.dumps(q)).retry_timeout == 2.5  # pickled under the new name: no warning
+    with pytest.raises(ValueError, match="retry_timeout=-1"):
+        RedisStorageQueue("redis://127.0.0.1:1/0", "s", retry_timeout=-1)
+
+
+def test_ack_and_give_back_take_a_list_as_storage_queue_does(redis_server):
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
+    try:
+        for i in range(3):
+            q.put(FileStorage(f"/l/{i}.tsl"))
+        tokens = [q.get(timeout=5)[0] for _ in range(3)]
+        assert q.give_back([tokens[0]]) == 1
+        assert q.ack([tokens[1]]) == 1 and q.ack(tokens[2]) == 1 and q.ack([]) == 0
+        with pytest.raises(TypeError, match="not both"):
+            q.ack([tokens[1]], tokens[2])
+        token, storage = q.get(timeout=5)  # the one given back, delivered again
+        assert storage == FileStorage("/l/0.tsl") and q.ack([token], failed=True) == 1
+        assert q.stats()["failed"] == 1 and q.stats()["returned"] == 1
     finally:
         q.delete()
 
@@ -162,8 +196,12 @@ def test_close_ends_iteration_for_every_consumer(redis_server):
         for i in range(30):
             q.put(FileStorage(f"/c/{i}.tsl"))
         outs = [[] for _ in range(3)]
-        threads = [threading.Thread(target=_drain, args=(RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE), out))
-                   for out in outs]
+        threads = [
+            threading.Thread(
+                target=_drain, args=(RedisStorageQueue(redis_server.url, stream, trusted_roots=EVERYWHERE), out)
+            )
+            for out in outs
+        ]
         for t in threads:
             t.start()
         time.sleep(0.3)
@@ -277,15 +315,18 @@ def test_redis_restart_loses_nothing(fresh_redis_server, caplog):
     caplog.set_level(logging.WARNING, "torch_storage_loader")
     server = fresh_redis_server(appendonly=True)
     stream = _stream()
-    q = RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0, trusted_roots=EVERYWHERE)
+    q = RedisStorageQueue(server.url, stream, claim_after=2.0, retry_timeout=20.0, trusted_roots=EVERYWHERE)
     n = 300
     outs = [[] for _ in range(2)]
     errors = []
 
     def run(out):
         try:
-            _drain(RedisStorageQueue(server.url, stream, claim_after=2.0, retry_for=20.0, trusted_roots=EVERYWHERE), out)
-        except Exception as exc:  # reported below
+            _drain(
+                RedisStorageQueue(server.url, stream, claim_after=2.0, retry_timeout=20.0, trusted_roots=EVERYWHERE),
+                out,
+            )
+        except Exception as exc:  # noqa: BLE001 -- reported below
             errors.append(exc)
 
     consumers = [threading.Thread(target=run, args=(out,)) for out in outs]
@@ -326,7 +367,9 @@ class Evil:
 
 def test_forged_records_are_refused(redis_server, tmp_path):
     from _helpers import MemoryStorage
-    from torch_storage_loader import _codec, register_storage_type
+
+    from torch_storage_loader import register_storage_type
+    from torch_storage_loader._format import codec as _codec
 
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     raw = _raw(redis_server.url)
@@ -344,9 +387,9 @@ def test_forged_records_are_refused(redis_server, tmp_path):
         assert q.get(timeout=5)[1] == FileStorage("/ok/0.tsl")
         with pytest.raises(UnregisteredStorageTypeError, match=r"'os\.system'.*register_storage_type"):
             q.get(timeout=5)
-        with pytest.raises(HandleRecordError, match="not a JSON handle record.*never as pickles"):
+        with pytest.raises(HandleRecordError, match=r"not a JSON handle record.*never as pickles"):
             q.get(timeout=5)
-        with pytest.raises(UnregisteredStorageTypeError, match="_helpers.MemoryStorage"):
+        with pytest.raises(UnregisteredStorageTypeError, match=r"_helpers.MemoryStorage"):
             q.get(timeout=5)
         with pytest.raises(HandleRecordError, match="allow_pickle=True"):
             q.get(timeout=5)
@@ -365,7 +408,7 @@ def test_forged_records_are_refused(redis_server, tmp_path):
             register_storage_type(MemoryStorage)
             q.put(MemoryStorage([1, {"a": None}], "m"))
             assert q.get(timeout=5)[1] == MemoryStorage([1, {"a": None}], "m")
-            with pytest.raises(HandleRecordError, match="MemoryStorage.value is a bytes"):
+            with pytest.raises(HandleRecordError, match=r"MemoryStorage.value is a bytes"):
                 q.put(MemoryStorage(b"raw", "m"))
         finally:
             _codec._REGISTRY.pop("_helpers.MemoryStorage", None)
@@ -388,11 +431,21 @@ def test_password_never_shows(fresh_redis_server, caplog):
         shown += [repr(e) for e in _raw(server.url).xrange(q.stream)]
         wrong = server.url.replace(password, "wrong-" + password)
         with pytest.raises(RedisUnavailableError, match="refused the credentials") as bad:
-            RedisStorageQueue(wrong, _stream(), retry_for=0.5, trusted_roots=EVERYWHERE).put(FileStorage("/p/1.tsl"))
+            RedisStorageQueue(wrong, _stream(), retry_timeout=0.5, trusted_roots=EVERYWHERE).put(
+                FileStorage("/p/1.tsl")
+            )
         closed_port = server.url.replace(str(server.port), "1")
         with pytest.raises(RedisUnavailableError, match="unreachable") as down:
-            RedisStorageQueue(closed_port, _stream(), retry_for=0.5, trusted_roots=EVERYWHERE).put(FileStorage("/p/1.tsl"))
-        shown += [str(bad.value), str(down.value), bad.value.url, down.value.url, repr(pickle.loads(pickle.dumps(down.value)))]
+            RedisStorageQueue(closed_port, _stream(), retry_timeout=0.5, trusted_roots=EVERYWHERE).put(
+                FileStorage("/p/1.tsl")
+            )
+        shown += [
+            str(bad.value),
+            str(down.value),
+            bad.value.url,
+            down.value.url,
+            repr(pickle.loads(pickle.dumps(down.value))),
+        ]
         shown += [r.getMessage() for r in caplog.records]
         assert any("retrying" in r.getMessage() for r in caplog.records)
         assert "***" in repr(q)
@@ -432,6 +485,7 @@ def test_trimming_keeps_undelivered_and_pending(redis_server):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_dataloader_delivers_every_handle_once(redis_server, handles, method):
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
@@ -465,9 +519,8 @@ def test_produced_under_a_name_a_restarted_producer_takes_over(redis_server):
             with pytest.raises(_queue.Empty):
                 q.get(timeout=0.3)  # empty, and nobody is dead
         assert q.dead_producers() == []
-        with pytest.raises(ValueError, match="name=''"):
-            with q.producer(""):
-                pass
+        with pytest.raises(ValueError, match="name=''"), q.producer(""):
+            pass
     finally:
         q.delete()
 
@@ -485,8 +538,10 @@ def _keys_of(raw, *streams: str) -> set:
 def test_delete_touches_exactly_its_keys(redis_server):
     """Regression: delete() of stream ``NAME*`` deleted ``NAME-42``'s keys too (a SCAN pattern made of the name)."""
     base = _stream()
-    star, neighbour = (RedisStorageQueue(redis_server.url, base + "*", trusted_roots=EVERYWHERE),
-                         RedisStorageQueue(redis_server.url, base + "-42", trusted_roots=EVERYWHERE))
+    star, neighbour = (
+        RedisStorageQueue(redis_server.url, base + "*", trusted_roots=EVERYWHERE),
+        RedisStorageQueue(redis_server.url, base + "-42", trusted_roots=EVERYWHERE),
+    )
     raw = _raw(redis_server.url)
     producers = contextlib.ExitStack()
     try:
@@ -530,7 +585,7 @@ def test_keys_of_a_stream_share_one_cluster_slot():
 
 
 def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
-    from torch_storage_loader import _codec
+    from torch_storage_loader._format import codec as _codec
 
     stream = _stream()
     raw = _raw(redis_server.url)
@@ -561,6 +616,7 @@ def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
 def train_until_lost(q: RedisStorageQueue, out, restarted) -> None:
     """A trainer: DataLoader(StorageDataset(q), num_workers=2); report its first sample, then how it ended."""
     from torch.utils.data import DataLoader
+
     from torch_storage_loader import StorageDataset
 
     it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2))
@@ -570,16 +626,20 @@ def train_until_lost(q: RedisStorageQueue, out, restarted) -> None:
     try:
         n = sum(1 for _ in it)
         out.put(("ended", n, time.monotonic() - t0))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- the child reports what it raised to the parent test
         out.put(("raised", type(exc).__name__, time.monotonic() - t0))
+    import faulthandler
+
+    # Should this process not exit, the test's captured stderr shows where each thread is.
+    faulthandler.dump_traceback_later(40, exit=False)
 
 
 def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, handles):
     """Redis restarted empty: consumers, producers and DataLoaders raise RedisStreamLostError (no hang, no end)."""
     server = fresh_redis_server(appendonly=False)
     stream = _stream()
-    q = RedisStorageQueue(server.url, stream, retry_for=10.0, trusted_roots=EVERYWHERE)
-    producer = RedisStorageQueue(server.url, stream, retry_for=10.0, trusted_roots=EVERYWHERE)
+    q = RedisStorageQueue(server.url, stream, retry_timeout=10.0, trusted_roots=EVERYWHERE)
+    producer = RedisStorageQueue(server.url, stream, retry_timeout=10.0, trusted_roots=EVERYWHERE)
     for h in handles[:10]:
         producer.put(h)
     held = [q.get(timeout=5) for _ in range(3)]  # delivered, not acknowledged
@@ -611,7 +671,9 @@ def test_restart_without_persistence_is_an_error_not_an_end(fresh_redis_server, 
         trainer.join(60)
         assert trainer.exitcode == 0
 
-        fresh = RedisStorageQueue(server.url, stream, trusted_roots=EVERYWHERE)  # a new process starts the stream anew (a new epoch)
+        fresh = RedisStorageQueue(
+            server.url, stream, trusted_roots=EVERYWHERE
+        )  # a new process starts the stream anew (a new epoch)
         fresh.put(handles[11])
         with pytest.raises(RedisStreamLostError, match="made anew"):
             copy.get(timeout=30)
@@ -643,8 +705,7 @@ def test_entries_another_trainer_holds_do_not_hold_the_end_back(redis_server):
         q.close()
         held, _ = trainer_b.get(timeout=5)
         trainer_b.keep_alive(held, family=_family("b"))  # trainer B's DataLoader has it, not yet trained on
-        worker_a._conn()
-        worker_a.family, worker_a.consumer = _family("a"), _family("a") + "/1"
+        worker_a.join_trainer("a")  # as a StorageDataset worker of trainer A does
         token, _ = worker_a.get(timeout=5)
         worker_a.ack(token)
         assert worker_a.get(timeout=5) is None, "trainer A's worker waited for trainer B's sample"

@@ -25,9 +25,12 @@ UNIT = 1024  # float32 values per size unit (4 KiB)
 BYTES_UNIT = 1001  # bytes per bytes unit (odd: bytes leaves are not aligned)
 TIMEOUT = 60  # DataLoader(timeout=...) and Future.result(timeout=...): a hang is a failure, not a stuck run
 
-SETTINGS = dict(deadline=None, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+SETTINGS = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 
 
 # ----------------------------------------------------------------------------------- samples
@@ -98,6 +101,7 @@ def test_loader_ring_lifetime(sizes, keep, window, use_callback):
             for start in range(0, len(handles), window):
                 batch = list(range(start, min(start + window, len(handles))))
                 if use_callback:
+
                     def callback(s, errors=errors):
                         try:
                             i = s["id"]
@@ -108,13 +112,13 @@ def test_loader_ring_lifetime(sizes, keep, window, use_callback):
                             kept.append(s)
 
                     futures = [loader.load(handles[i], callback) for i in batch]
-                    done, not_done = wait(futures, timeout=TIMEOUT)
+                    _done, not_done = wait(futures, timeout=TIMEOUT)
                     assert not not_done, "loads did not complete within 60 s"
                     for f in futures:
                         assert f.result() is None
                 else:
                     futures = [loader.load_async(handles[i]) for i in batch]
-                    for i, f in zip(batch, futures):
+                    for i, f in zip(batch, futures, strict=False):
                         s = f.result(timeout=TIMEOUT)
                         check_sample(s, i, *sizes[i], tensors=False)
                         if keep:
@@ -167,10 +171,12 @@ def pad_collate(samples: list) -> dict:
     """Ragged samples (tensors, as the dataset hands them) into one padded batch."""
     lengths = [s["x"].shape[0] for s in samples]
     n = max(lengths)
-    return {"id": torch.tensor([s["id"] for s in samples]),
-            "len": torch.tensor(lengths),
-            "x": torch.stack([torch.nn.functional.pad(s["x"], (0, n - s["x"].shape[0])) for s in samples]),
-            "b": [s["b"] for s in samples]}
+    return {
+        "id": torch.tensor([s["id"] for s in samples]),
+        "len": torch.tensor(lengths),
+        "x": torch.stack([torch.nn.functional.pad(s["x"], (0, n - s["x"].shape[0])) for s in samples]),
+        "b": [s["b"] for s in samples],
+    }
 
 
 def check_padded_batch(batch: dict, sizes) -> list[int]:
@@ -211,8 +217,13 @@ def test_dataset_side_batching_ring_lifetime(num_workers):
         check = check_stacked_batch if stack else check_padded_batch
         with tempfile.TemporaryDirectory() as d:
             handles = save_all(d, sizes)
-            ds = StorageDataset(handles, batch_size=k, collate_fn=None if stack else pad_collate,
-                                slots_per_worker=2, max_rings_per_worker=2)
+            ds = StorageDataset(
+                handles,
+                batch_size=k,
+                collate_fn=None if stack else pad_collate,
+                slots_per_worker=2,
+                max_rings_per_worker=2,
+            )
             drain(_dataloader(ds, num_workers, batch_size=None), lambda b: check(b, sizes), keep, len(sizes))
 
     run()
@@ -258,8 +269,12 @@ def test_dataloader_side_batching_ring_lifetime(num_workers):
                 handles.append(FileStorage(f"{d}/{i:05d}.tsl"))
                 handles[-1].save(bytes_sample(i, nb))
             ds = StorageDataset(handles, slots_per_worker=2, max_rings_per_worker=2)
-            drain(_dataloader(ds, num_workers, batch_size=k), lambda b: check_default_collated(b, sizes_b), keep,
-                  len(sizes_b))
+            drain(
+                _dataloader(ds, num_workers, batch_size=k),
+                lambda b: check_default_collated(b, sizes_b),
+                keep,
+                len(sizes_b),
+            )
 
     run()
 
@@ -269,8 +284,10 @@ STEP = (4, 16, 16)  # one step of an episode (scaled down from 4x84x84): 4 KiB o
 
 
 def episode(i: int, steps: int) -> dict:
-    return {"obs": np.full((steps, *STEP), i, np.float32) + np.arange(steps, dtype=np.float32)[:, None, None, None],
-            "id": np.array([i], np.int64)}
+    return {
+        "obs": np.full((steps, *STEP), i, np.float32) + np.arange(steps, dtype=np.float32)[:, None, None, None],
+        "id": np.array([i], np.int64),
+    }
 
 
 def check_episode(s: dict, steps_of: dict) -> int:

@@ -10,19 +10,54 @@ import pytest
 import torch
 import treetensor.numpy as tnp
 import treetensor.torch as ttorch
+from conftest import assert_same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import assert_same
 from torch_storage_loader import FileStorage, UnsupportedLeafError
 
-NUMPY_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                "float16", "float32", "float64", "complex64", "complex128", "<M8[ns]", "<m8[s]", "<U3", "S4",
-                ">i4", ">f8"]
-TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-                torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+NUMPY_DTYPES = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "<M8[ns]",
+    "<m8[s]",
+    "<U3",
+    "S4",
+    ">i4",
+    ">f8",
+]
+TORCH_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
 numpy_leaves = st.sampled_from(NUMPY_DTYPES).flatmap(lambda dt: hnp.arrays(np.dtype(dt), shapes))
@@ -39,9 +74,17 @@ def torch_leaves(draw):
     return t
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.complex_numbers(allow_nan=False), st.text(max_size=8), st.binary(max_size=8),
-                    st.builds(np.float32, st.floats(width=32)), st.builds(np.int64, st.integers(-2**63, 2**63 - 1)))
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.complex_numbers(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.builds(np.float32, st.floats(width=32)),
+    st.builds(np.int64, st.integers(-(2**63), 2**63 - 1)),
+)
 leaves = st.one_of(numpy_leaves, torch_leaves(), scalars)
 trees = st.recursive(
     leaves,
@@ -91,13 +134,16 @@ def test_numpy_stays_numpy_and_torch_stays_torch(tmp_path):
     out["t"][0] = 7
 
 
-@pytest.mark.parametrize("obj, where", [
-    ({"a": {"b": [1, lambda x: x]}}, "['a']['b'][1]"),
-    ({"obs": np.array([object()], dtype=object)}, "['obs']"),
-    ([{"k": {1, 2}}], "[0]['k']"),
-    ({(1, 2): 3}, "<root>"),
-    ({"s": torch.zeros(3).to_sparse()}, "['s']"),
-])
+@pytest.mark.parametrize(
+    "obj, where",
+    [
+        ({"a": {"b": [1, lambda x: x]}}, "['a']['b'][1]"),
+        ({"obs": np.array([object()], dtype=object)}, "['obs']"),
+        ([{"k": {1, 2}}], "[0]['k']"),
+        ({(1, 2): 3}, "<root>"),
+        ({"s": torch.zeros(3).to_sparse()}, "['s']"),
+    ],
+)
 def test_unsupported_leaf_names_key_path(tmp_path, obj, where):
     with pytest.raises(UnsupportedLeafError) as info:
         FileStorage(tmp_path / "a.tsl").save(obj)

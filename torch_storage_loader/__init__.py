@@ -1,57 +1,75 @@
 """Save samples synchronously, load them asynchronously through reusable shared-memory slots.
 
 Public names are imported on first use, so that worker processes, which only read files into
-shared memory, start without importing torch.
+shared memory, start without importing torch. They are listed once, in ``__init__.pyi``: type
+checkers read that stub, and this module reads it to build ``__all__`` and the lazy imports.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
-from typing import TYPE_CHECKING
+import os
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "DirectorySource": "_sources",
-    "FileStorage": "storage",
-    "FileStorageLoader": "file_loader",
-    "HandleRecordError": "errors",
-    "InsufficientSharedMemoryError": "errors",
-    "LoadCancelledError": "errors",
-    "LoaderStats": "loader",
-    "ObjectStorage": "storage",
-    "PickleNotAllowedError": "errors",
-    "ProducerDiedError": "queue",
-    "RedisStorageQueue": "redis_queue",
-    "RedisStreamLayoutError": "errors",
-    "RedisStreamLostError": "errors",
-    "RedisUnavailableError": "errors",
-    "SampleMismatchError": "errors",
-    "SampleTooLargeError": "errors",
-    "SampleTooLargeForDeviceError": "errors",
-    "SlotPinningWarning": "errors",
-    "Storage": "storage",
-    "StorageCorruptError": "errors",
-    "StorageDataset": "dataset",
-    "StorageError": "errors",
-    "StorageLoader": "loader",
-    "StorageNotFoundError": "errors",
-    "StorageQueue": "queue",
-    "StorageUnavailableError": "errors",
-    "UnregisteredStorageTypeError": "errors",
-    "UnsupportedLeafError": "errors",
-    "UnsupportedTorchError": "errors",
-    "UntrustedStorageError": "errors",
-    "WorkerDiedError": "errors",
-    "configure_object_store": "_objects",
-    "end_directory_stream": "_sources",
-    "register_storage_type": "_codec",
-}
 
-__all__ = sorted(_EXPORTS)
+def _read_exports() -> dict[str, str]:
+    """Public name -> the module (relative to this package) that defines it, from ``__init__.pyi``."""
+    with open(os.path.join(os.path.dirname(__file__), "__init__.pyi"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {
+        alias.asname or alias.name: node.module or ""
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names
+    }
 
 
-def __getattr__(name: str):
+_EXPORTS = _read_exports()
+
+# A literal list, so linters and type checkers see the public names (tests check it matches _EXPORTS).
+__all__ = [
+    "DirectorySource",
+    "FileStorage",
+    "FileStorageLoader",
+    "HandleRecordError",
+    "InsufficientSharedMemoryError",
+    "LoadCancelledError",
+    "LoaderStats",
+    "ObjectStorage",
+    "PickleNotAllowedError",
+    "PrefixSource",
+    "ProducerDiedError",
+    "RedisStorageQueue",
+    "RedisStreamLayoutError",
+    "RedisStreamLostError",
+    "RedisUnavailableError",
+    "SampleMismatchError",
+    "SampleTooLargeError",
+    "SampleTooLargeForDeviceError",
+    "ShmTransportError",
+    "SlotPinningWarning",
+    "Storage",
+    "StorageCorruptError",
+    "StorageDataset",
+    "StorageError",
+    "StorageLoader",
+    "StorageNotFoundError",
+    "StorageQueue",
+    "StorageUnavailableError",
+    "UnregisteredStorageTypeError",
+    "UnsupportedLeafError",
+    "UnsupportedTorchError",
+    "UntrustedStorageError",
+    "WorkerDiedError",
+    "configure_object_store",
+    "end_directory_stream",
+    "register_storage_type",
+]
+
+
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -62,20 +80,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
-
-
-if TYPE_CHECKING:
-    from .errors import (HandleRecordError, InsufficientSharedMemoryError, LoadCancelledError, PickleNotAllowedError,
-                         RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError, SampleMismatchError,
-                         SampleTooLargeError, SampleTooLargeForDeviceError, SlotPinningWarning, StorageCorruptError,
-                         StorageError, StorageNotFoundError, StorageUnavailableError, UnregisteredStorageTypeError, UnsupportedLeafError,
-                         UnsupportedTorchError, UntrustedStorageError, WorkerDiedError)
-    from ._codec import register_storage_type
-    from ._objects import configure_object_store
-    from ._sources import DirectorySource, end_directory_stream
-    from .dataset import StorageDataset
-    from .file_loader import FileStorageLoader
-    from .queue import ProducerDiedError, StorageQueue
-    from .redis_queue import RedisStorageQueue
-    from .loader import LoaderStats, StorageLoader
-    from .storage import FileStorage, ObjectStorage, Storage

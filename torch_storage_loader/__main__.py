@@ -1,8 +1,8 @@
 """Command line of torch_storage_loader (also the torch-storage-loader script).
 
-  demo                              collector processes save trajectories, a trainer loads them
-  clean DIR --older-than SECONDS    delete this library's files in DIR last modified more than
-                                    SECONDS ago (left behind once no loader on DIR runs any more)
+demo                              collector processes save trajectories, a trainer loads them
+clean DIR --older-than SECONDS    delete this library's files in DIR last modified more than
+                                  SECONDS ago (left behind once no loader on DIR runs any more)
 """
 
 from __future__ import annotations
@@ -13,18 +13,27 @@ import sys
 
 
 def add_clean_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", metavar="DIR", help="a directory FileStorageLoader saved into, or an object-store "
-                                                    "prefix (s3://bucket/prefix; credentials and endpoint from the "
-                                                    "environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
-    p.add_argument("--older-than", type=float, required=True, metavar="SECONDS",
-                   help="delete files last modified more than SECONDS ago (temporaries of writes in "
-                        "progress only after at least 10 minutes)")
+    p.add_argument(
+        "directory",
+        metavar="DIR",
+        help="a directory FileStorageLoader saved into, or an object-store "
+        "prefix (s3://bucket/prefix; credentials and endpoint from the "
+        "environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)",
+    )
+    p.add_argument(
+        "--older-than",
+        type=float,
+        required=True,
+        metavar="SECONDS",
+        help="delete files last modified more than SECONDS ago (temporaries of writes in "
+        "progress only after at least 10 minutes)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
 
 
 def clean(args: argparse.Namespace) -> int:
-    from ._clean import expired_files, remove
-    from ._objects import is_url
+    from ._stores.clean import expired_files, remove
+    from ._stores.objects import is_url
 
     if args.older_than < 0:
         print(f"torch-storage-loader clean: error: --older-than must be >= 0, got {args.older_than}", file=sys.stderr)
@@ -43,14 +52,17 @@ def clean(args: argparse.Namespace) -> int:
     except StorageError as exc:  # an object store that cannot be reached, or refuses the credentials
         print(f"torch-storage-loader clean: error: {exc}", file=sys.stderr)
         return 1
-    print(f"{'would remove' if args.dry_run else 'removed'} {count} file{'' if count == 1 else 's'} "
-          f"older than {args.older_than:g} s from {args.directory}")
+    print(
+        f"{'would remove' if args.dry_run else 'removed'} {count} file{'' if count == 1 else 's'} "
+        f"older than {args.older_than:g} s from {args.directory}"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torch-storage-loader", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="torch-storage-loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="collectors save trajectories, a trainer loads them")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -58,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import add_arguments
 
         add_arguments(demo)
-    add_clean_arguments(sub.add_parser(
-        "clean", help="delete this library's files in DIR older than --older-than seconds",
-        description="Delete the files FileStorageLoader saved in DIR (names *.tsl it made, and "
-                    "temporaries of writes that died) last modified more than SECONDS ago. Other "
-                    "files, and files a DirectorySource consumer claimed, are never touched."))
+    add_clean_arguments(
+        sub.add_parser(
+            "clean",
+            help="delete this library's files in DIR older than --older-than seconds",
+            description="Delete the files FileStorageLoader saved in DIR (names *.tsl it made, and "
+            "temporaries of writes that died) last modified more than SECONDS ago. Other "
+            "files, and files a DirectorySource consumer claimed, are never touched.",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run

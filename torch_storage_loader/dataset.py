@@ -6,110 +6,41 @@ unpickles, in the trainer, into tensors backed by the slot. A slot is reused onl
 trainer dropped every tensor viewing it; when none is free the worker uses a segment of its own
 for that sample (counted as a fallback), so keeping batches never deadlocks and never sees them
 change. With ``num_workers=0`` samples are read into private memory in the trainer's process.
+
+Size: a little over 400 lines, because ``StorageDataset`` is torch's dataset protocol (iteration,
+length, ``state_dict``, ``set_epoch``, pickling into workers and DDP ranks, ``stats``) over finite
+and streaming sources alike; what it uses has its own home (``_sources``, ``_dataloader.epochs``,
+``_dataloader.items``, ``_dataloader.ledger``, ``_shm.filling``).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from . import _device, _objects, _trust
+
 from ._dataloader import hooks
+from ._dataloader.epochs import EpochCounters
+from ._dataloader.items import WorkerItem, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
-from ._sources import ListSource, as_source, end_directory_stream
-from ._worker import FillInfo, LocalFiller, SlotFiller
-from ._shm import default_shm_budget
+from ._format import trust as _trust
+from ._shm import device as _device
+from ._shm.alloc import check_slot_options
+from ._shm.filling import LocalFiller, SlotFiller
+from ._shm.segments import default_shm_budget
+from ._sources import ListSource, Source, as_source, end_directory_stream
+from ._stores import objects as _objects
+from .storage import Storage
 
 __all__ = ["StorageDataset", "end_directory_stream"]
 
+
 logger = logging.getLogger("torch_storage_loader")
-
-_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-_stats_lock = threading.Lock()
-
-
-def _renew_lock_in_child() -> None:
-    global _stats_lock
-    _stats_lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_renew_lock_in_child)
-
-
-_COUNTER_OF = {"slot": "slot_loads", "fallback": "fallbacks", "oversize": "oversize"}
-
-
-def _record(uid: str, info: FillInfo, skipped: int, refused: int = 0) -> None:
-    _count(uid, info.via, info.nbytes, info.regrew, info.copied, skipped, refused)
-
-
-def _count(uid: str, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, refused: int = 0) -> None:
-    with _stats_lock:
-        c = _stats[uid]
-        c["loads"] += 1
-        c["bytes"] += nbytes
-        c[_COUNTER_OF.get(via, "local_loads")] += 1
-        if regrew:
-            c["regrows"] += 1
-        if copied:
-            c["copies"] += 1
-        if skipped:
-            c["skipped"] += skipped
-        if refused:
-            c["refused"] += refused
-
-
-_STAT_KEYS = ("loads", "bytes", "slot_loads", "fallbacks", "oversize", "copies", "local_loads", "regrows", "skipped",
-              "refused")
-
-
-class _Delivery:
-    """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
-
-    __slots__ = ("uid", "info", "skipped", "refused", "payload", "filler")
-
-    def __init__(self, uid: str | None, info: FillInfo, skipped: int, refused: int, payload: Any,
-                 filler: SlotFiller) -> None:
-        self.uid, self.info, self.skipped, self.refused = uid, info, skipped, refused
-        self.payload, self.filler = payload, filler
-
-    def __reduce__(self):
-        # The payload is unpickled first (it is an argument), then _receive counts it; the stats
-        # travel as plain values, cheaper to unpickle than a FillInfo.
-        info = self.info
-        return _receive, (self.uid, info.via, info.nbytes, info.regrew, info.copied, self.skipped, self.payload,
-                          self.refused)
-
-
-def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any,
-             refused: int = 0) -> Any:
-    if uid is not None:
-        _count(uid, via, nbytes, regrew, copied, skipped, refused)
-    return sample
-
-
-def _collate_deliveries(batch: list[_Delivery], *, collate_fn_map=None) -> Any:
-    # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
-    # sample there, and let the default path ship the collated batch (slower, but correct). For
-    # device=, the collated batch goes back into a slot, to be copied to the device in one piece.
-    collated = hooks.collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
-    first = batch[0]
-    opts = first.payload.opts
-    if opts.device is None:
-        return collated
-    info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
-    return _Delivery(None, info, 0, 0, payload, first.filler)  # its samples are not counted, as without device=
-
-
-# The extension point torch documents for default_collate: a collate function per element type.
-hooks.register_collate(_Delivery, _collate_deliveries)
-hooks.install()  # raises UnsupportedTorchError, naming the torch needed, where torch differs
 
 
 def _live_dist() -> tuple[int, int]:
@@ -118,7 +49,8 @@ def _live_dist() -> tuple[int, int]:
     return 0, 1
 
 
-class StorageDataset(IterableDataset):
+# Size: about 370 lines, a third of them its documentation; see the module.
+class StorageDataset(IterableDataset[Any]):
     """An ``IterableDataset`` of the samples behind storage handles.
 
     ``source`` is a finite iterable of ``Storage`` handles (each delivered once per epoch, split
@@ -157,32 +89,76 @@ class StorageDataset(IterableDataset):
     non-tensor leaves stay on the host; a sample too large for the device raises
     ``SampleTooLargeForDeviceError``. Leave ``pin_memory`` off with it (it changes nothing with
     workers, and with ``num_workers=0`` torch cannot pin device tensors).
+
+    Args:
+        source: Where the handles come from: a list (or other finite iterable) of ``Storage``
+            handles, a ``StorageQueue`` or queue, a directory or object-store prefix (or a
+            ``DirectorySource``), or a ``RedisStorageQueue``.
+        batch_size: Stack this many samples into one slot in the worker (use the DataLoader with
+            ``batch_size=None``); None yields single samples.
+        drop_last: Drop a last batch smaller than ``batch_size``, and with a finite source the tail
+            of the order instead of padding every rank to the same length.
+        collate_fn: Combine a batch's samples yourself (samples whose shapes differ); needs ``batch_size``.
+        slots_per_worker: Shared-memory slots in each worker's ring: how many items a worker can
+            have in flight before it falls back to segments of its own.
+        max_rings_per_worker: How many rings (one per size class of items) a worker keeps.
+        max_shm_bytes: Shared memory for all of this DataLoader's workers, split evenly between
+            them; None: half the size of /dev/shm.
+        on_error: ``"raise"`` (the default) raises a sample's load error in the trainer; ``"skip"``
+            logs it, counts it (``stats()["skipped"]``) and goes on.
+        shuffle: Draw a new order each epoch from ``(seed, epoch)``; finite sources only.
+        seed: The seed of the shuffled order, the same on every rank.
+        storage_options: fsspec options (credentials, endpoint) for the buckets this dataset names.
+        trusted_roots: Directories and ``proto://bucket/prefix`` URLs that handles read from the
+            network may name, added to the source's own.
+        device: Deliver batches on this device (``"cuda"``, ``"cuda:1"``, a ``torch.device``); None:
+            on the host, in shared memory.
+
+    Raises:
+        TypeError: An option has the wrong type, or ``source`` is none of the kinds above.
+        ValueError: An option is out of range, ``collate_fn`` is given without ``batch_size``,
+            ``shuffle=True`` with a streaming source, or ``storage_options`` with no bucket to apply to.
+
+    Examples:
+        >>> import torch
+        >>> from torch_storage_loader import FileStorage, StorageDataset
+        >>> handles = [FileStorage(f"{i}.tsl") for i in range(4)]
+        >>> for i, handle in enumerate(handles):
+        ...     size = handle.save({"x": torch.full((2,), i)})
+        >>> dataset = StorageDataset(handles, batch_size=2)
+        >>> [batch["x"].tolist() for batch in torch.utils.data.DataLoader(dataset, batch_size=None)]
+        [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
     """
 
-    def __init__(self, source: Any, *, batch_size: int | None = None, drop_last: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, slots_per_worker: int = 4,
-                 max_rings_per_worker: int = 8, max_shm_bytes: int | None = None, on_error: str = "raise",
-                 shuffle: bool = False, seed: int = 0, storage_options: dict | None = None,
-                 trusted_roots: list[str] | None = None, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        slots_per_worker: int = 4,
+        max_rings_per_worker: int = 8,
+        max_shm_bytes: int | None = None,
+        on_error: str = "raise",
+        shuffle: bool = False,
+        seed: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        trusted_roots: list[str] | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         super().__init__()
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"{shuffle=} must be a bool")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"{seed=} must be an int")
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"{drop_last=} must be a bool")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
-        if collate_fn is not None and batch_size is None:
-            raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
-        if slots_per_worker < 1:
-            raise ValueError(f"{slots_per_worker=} must be >= 1")
-        if max_rings_per_worker < 1:
-            raise ValueError(f"{max_rings_per_worker=} must be >= 1")
-        if max_shm_bytes is not None and max_shm_bytes < 1:
-            raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the size of /dev/shm")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+        self.check_options(
+            batch_size=batch_size,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            slots_per_worker=slots_per_worker,
+            max_rings_per_worker=max_rings_per_worker,
+            max_shm_bytes=max_shm_bytes,
+            on_error=on_error,
+            shuffle=shuffle,
+            seed=seed,
+        )
         self.device = _device.normalize(device)  # None, or a device this process copies samples to
         roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
         self.source = as_source(source, roots)
@@ -208,10 +184,7 @@ class StorageDataset(IterableDataset):
         self._resume: tuple[int, int] | None = None
         self._iters = 0
         self._owner = os.getpid()
-        # Shared with DataLoader workers (persistent ones included): [set_epoch called, its epoch,
-        # then one automatic epoch counter per (num_workers, worker id)], see _next_epoch.
-        self._epochs = torch.zeros(_AUTO_BASE + _auto_slot(_MAX_TRACKED_WORKERS, _MAX_TRACKED_WORKERS - 1) + 1,
-                                   dtype=torch.int64).share_memory_() if self.source.finite else None
+        self._epochs = EpochCounters() if self.source.finite else None  # shared with the DataLoader's workers
         self._skipped = 0
         self._refused_sent = 0  # of the source's refusals in this process, those counted already
         self._filler: SlotFiller | None = None
@@ -220,21 +193,71 @@ class StorageDataset(IterableDataset):
         self._ledger: LedgerRef | None = None  # while a DataLoader starts its workers: see _tsl_attach_ledger
         self._writer: LedgerWriter | None = None  # this worker's end of it
 
+    @staticmethod
+    def check_options(
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        slots_per_worker: int = 4,
+        max_rings_per_worker: int = 8,
+        max_shm_bytes: int | None = None,
+        on_error: str = "raise",
+        shuffle: bool = False,
+        seed: int = 0,
+        **_: Any,
+    ) -> None:
+        """Validate the dataset's options without making one (``StorageDataModule`` checks its own with it).
+
+        Args:
+            batch_size: As for the dataset.
+            drop_last: As for the dataset.
+            collate_fn: As for the dataset.
+            slots_per_worker: As for the dataset.
+            max_rings_per_worker: As for the dataset.
+            max_shm_bytes: As for the dataset.
+            on_error: As for the dataset.
+            shuffle: As for the dataset.
+            seed: As for the dataset.
+            **_: Any other option, ignored, so a caller can pass all its keyword arguments.
+
+        Raises:
+            TypeError: an option of the wrong type, naming it.
+            ValueError: an option out of range, or ``collate_fn`` without ``batch_size``, naming it.
+        """
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"{shuffle=} must be a bool")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"{seed=} must be an int")
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"{drop_last=} must be a bool")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
+        if collate_fn is not None and batch_size is None:
+            raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
+        check_slot_options(
+            slots_per_worker=slots_per_worker, max_rings_per_worker=max_rings_per_worker, max_shm_bytes=max_shm_bytes
+        )
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+
     def _buckets(self, roots: _trust.Roots) -> list[str]:
         """The buckets (``proto://bucket``) ``storage_options`` are for; ValueError when there are none."""
         src = self.source
-        found = [_trust.roots([src.path]) if _objects.is_url(getattr(src, "path", None)) else _trust.Roots(), roots]
+        path = getattr(src, "path", None)
+        found = [_trust.roots([path]) if _objects.is_url(path) else _trust.Roots(), roots]
         queue = getattr(src, "queue", None)
         found.append(getattr(queue, "_roots", _trust.Roots()))
         buckets = _trust.object_roots(found)
         if isinstance(src, ListSource):
-            buckets += [_objects._root(h.path) for h in src.handles if _objects.is_url(h.path)]
+            buckets += [_objects.root(h.path) for h in src.handles if _objects.is_url(h.path)]
         buckets = list(dict.fromkeys(buckets))
         if not buckets:
             raise ValueError(
                 "storage_options= apply to the buckets this dataset names (an s3://bucket/prefix source, object "
                 "handles in a list, or trusted_roots=['s3://bucket/prefix']), and this one names none; pass "
-                "trusted_roots=, or call configure_object_store('s3://bucket', options) for each bucket")
+                "trusted_roots=, or call configure_object_store('s3://bucket', options) for each bucket"
+            )
         return buckets
 
     # -------------------------------------------------------------------------- the protocol
@@ -247,11 +270,11 @@ class StorageDataset(IterableDataset):
         if self._owner != os.getpid() and get_worker_info() is None:
             self._owner, self._dist = os.getpid(), None
             if self._epochs is not None:
-                self._epochs = self._epochs.clone()
-        if self._epochs is not None and not self._epochs.is_shared():
-            self._epochs.share_memory_()  # e.g. after copy.deepcopy
+                self._epochs = self._epochs.detach()
+        if self._epochs is not None:
+            self._epochs.ensure_shared()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         self._own()
         state = self.__dict__.copy()
         state["_filler"], state["_filler_pid"], state["_writer"] = None, 0, None
@@ -265,6 +288,13 @@ class StorageDataset(IterableDataset):
         """Use ``epoch`` for the next iterations (as ``DistributedSampler.set_epoch``): call it before ``iter()``.
 
         Reaches persistent DataLoader workers too. Without it the epoch advances by itself.
+
+        Args:
+            epoch: The epoch number (>= 0); with ``shuffle=True`` it picks the order.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+            ValueError: ``epoch`` is negative.
         """
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             raise TypeError(f"{epoch=} must be an int")
@@ -272,30 +302,42 @@ class StorageDataset(IterableDataset):
             raise ValueError(f"{epoch=} must be >= 0")
         self._own()
         if self._epochs is not None:
-            self._epochs[1] = epoch
-            self._epochs[0] = 1
+            self._epochs.set(epoch)
 
     def __bool__(self) -> bool:
         return True  # as before it had a length: ``if dataset:`` must not raise for a stream
 
     def __len__(self) -> int:
         """Items (samples, or batches with ``batch_size``) this rank yields per epoch; finite sources only."""
-        if not self.source.finite:
-            raise TypeError(f"a StorageDataset over a {type(self.source).__name__} has no length: "
-                            "it streams until its producers end it")
+        if not isinstance(self.source, ListSource):
+            raise TypeError(
+                f"a StorageDataset over a {type(self.source).__name__} has no length: "
+                "it streams until its producers end it"
+            )
         self._own()
         _, world = self._dist if self._dist is not None else _live_dist()
-        return self.source.items_per_rank(world, self.batch_size or 1, self.drop_last)
+        return int(self.source.items_per_rank(world, self.batch_size or 1, self.drop_last))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, int]:
         """Progress through the current epoch: for resuming a finite source mid-epoch.
 
         Called in each worker by ``torchdata.stateful_dataloader.StatefulDataLoader`` (and in the
         trainer with ``num_workers=0``); resume with the same ``num_workers`` and world size.
+
+        Returns:
+            ``{"epoch": ..., "yielded": ...}``: the epoch, and how many items this copy yielded in it.
         """
         return {"epoch": self._epoch, "yielded": self._yielded}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume a finite source where ``state_dict`` was taken: the next iteration skips what was yielded.
+
+        Args:
+            state: What ``state_dict`` returned.
+
+        Raises:
+            TypeError: The source is a stream, which cannot resume.
+        """
         if not isinstance(self.source, ListSource):
             raise TypeError("only a finite source (a list of handles) can resume from a state_dict")
         self._resume = (int(state["epoch"]), int(state["yielded"]))
@@ -304,16 +346,16 @@ class StorageDataset(IterableDataset):
         """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped.
 
         ``padded``: handles this rank repeats each epoch so that all ranks yield as many items.
+
+        Returns:
+            The counts by name (``loads``, ``bytes``, ``skipped``, ``refused``, ``padded``, ...).
         """
         padded = 0
-        if self.source.finite:
+        if isinstance(self.source, ListSource):
             self._own()
             rank, world = self._dist if self._dist is not None else _live_dist()
             padded = self.source.padded(rank, world, self.drop_last)
-        with _stats_lock:
-            c = _stats[self._uid]
-            return {k: c[k] for k in _STAT_KEYS} | {"skipped": c["skipped"] + self._skipped, "padded": padded,
-                                                    "refused": c["refused"] + self._unsent_refusals()}
+        return counts(self._uid, self._skipped, self._unsent_refusals()) | {"padded": padded}
 
     def _unsent_refusals(self) -> int:
         """Refusals of this process's source not yet counted (they travel with the next sample)."""
@@ -326,23 +368,15 @@ class StorageDataset(IterableDataset):
 
     # --------------------------------------------------------------------------- iteration
     def _next_epoch(self, num_workers: int, wid: int) -> tuple[int, int]:
-        """(epoch, groups to skip) for the iteration starting now in this copy.
-
-        Each worker of a DataLoader counts its own iterations in a shared slot of its own (so fresh
-        copies, as non-persistent workers get, continue where the last ones stopped, and no two
-        processes write one slot); all of a DataLoader's workers start each iteration, so they agree.
-        """
-        slot = _AUTO_BASE + _auto_slot(num_workers, wid) if num_workers <= _MAX_TRACKED_WORKERS else None
-        shared = self._epochs
+        """(epoch, groups to skip) for the iteration starting now in this copy (see ``_dataloader.epochs``)."""
+        epochs = self._epochs
+        assert epochs is not None  # finite sources only, and those have the shared counters
         if self._resume is not None:
             (epoch, skip), self._resume = self._resume, None
-        elif shared[0]:
-            epoch, skip = int(shared[1]), 0
         else:
-            epoch, skip = (int(shared[slot]) if slot is not None else self._iters), 0
+            epoch, skip = epochs.current(num_workers, wid, self._iters), 0
         self._iters = epoch + 1
-        if slot is not None:
-            shared[slot] = epoch + 1
+        epochs.started(num_workers, wid, epoch)
         return epoch, skip
 
     def __iter__(self) -> Iterator[Any]:
@@ -353,17 +387,27 @@ class StorageDataset(IterableDataset):
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         self._own()
         rank, world = self._dist if self._dist is not None else _live_dist()
-        if not self.source.finite:
-            pairs = self.source.iterate(rank * nw + wid, world * nw, family=str(self._owner))
+        src = self.source
+        if not isinstance(src, ListSource):
+            pairs = src.iterate(rank * nw + wid, world * nw, family=str(self._owner))
             return self._iterate(pairs, nw if worker is not None else 0, None)
         # Decided here, not in the generator: StatefulDataLoader snapshots state_dict() right after iter().
         epoch, skip = self._next_epoch(nw if worker is not None else 0, wid)
         self._epoch, self._yielded = epoch, skip
-        groups = self.source.groups(rank, world, wid, nw, epoch=epoch, shuffle=self.shuffle, seed=self.seed,
-                                    batch=self.batch_size or 1, drop_last=self.drop_last)
+        groups = src.groups(
+            rank,
+            world,
+            wid,
+            nw,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            batch=self.batch_size or 1,
+            drop_last=self.drop_last,
+        )
         return self._iterate(iter(groups[skip:]), nw if worker is not None else 0, epoch)
 
-    def _iterate(self, source: Iterator, num_workers: int, epoch: int | None) -> Iterator[Any]:
+    def _iterate(self, source: Iterator[Any], num_workers: int, epoch: int | None) -> Iterator[Any]:
         """Load what ``source`` gives: groups of handles (finite sources) or (token, handle) pairs (streams)."""
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
@@ -379,13 +423,15 @@ class StorageDataset(IterableDataset):
             return
         yield from self._stream(filler, source, in_worker, per_item)
 
-    def _stream(self, filler: SlotFiller, pairs: Iterator, in_worker: bool, per_item: int) -> Iterator[Any]:
+    def _stream(
+        self, filler: SlotFiller, pairs: Iterator[tuple[Any, Storage]], in_worker: bool, per_item: int
+    ) -> Iterator[Any]:
         """A streaming source, at least once (see ``_dataloader.ledger``): every handle taken is either
         acknowledged once the trainer has its sample, failed, or given back."""
         writer = self._writer_for() if in_worker else None
-        src, size = self.source, self.batch_size or 1
+        src, size = self._streaming(), self.batch_size or 1
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
-        group: list = []
+        group: list[Any] = []
         try:
             for token, storage in pairs:
                 group.append((token, storage))
@@ -404,16 +450,23 @@ class StorageDataset(IterableDataset):
                 if item is not _SKIP:
                     yield item
         finally:
-            pairs.close()
+            pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
             if group and writer is None:
                 src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
 
-    def _load_stream(self, filler: SlotFiller, group: list, in_worker: bool,
-                     writer: LedgerWriter | None, item: int) -> Any:
+    def _load_stream(
+        self,
+        filler: SlotFiller,
+        group: list[tuple[Any, Storage]],
+        in_worker: bool,
+        writer: LedgerWriter | None,
+        item: int,
+    ) -> Any:
         tokens = [t for t, _ in group]
+        src = self._streaming()
 
         def failed() -> None:
-            self.source.fail(tokens)
+            src.fail(tokens)
             if writer is not None:
                 writer.dropped(item, tokens)
 
@@ -427,8 +480,13 @@ class StorageDataset(IterableDataset):
         if out is _SKIP:
             failed()
         elif writer is None:
-            self.source.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
+            src.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
         return out
+
+    def _streaming(self) -> Source:
+        src = self.source
+        assert not isinstance(src, ListSource)  # called on streaming sources only
+        return src
 
     def _tsl_delivery_source(self) -> Any:
         """For ``hooks``: the streaming source whose handles DataLoader workers report to a ledger (None: finite)."""
@@ -443,8 +501,10 @@ class StorageDataset(IterableDataset):
         if self._ledger is None:
             return None
         ledger_id, conns = self._ledger
+        worker = get_worker_info()
+        assert worker is not None  # called in DataLoader workers only
         if self._writer is None or self._writer.ledger_id != ledger_id:
-            self._writer = LedgerWriter(ledger_id, conns[get_worker_info().id])
+            self._writer = LedgerWriter(ledger_id, conns[worker.id])
         self._writer.restart()
         return self._writer
 
@@ -452,14 +512,20 @@ class StorageDataset(IterableDataset):
         if self._filler is None or self._filler_pid != os.getpid():
             if num_workers:
                 budget = (self.max_shm_bytes or default_shm_budget()) // num_workers
-                self._filler = SlotFiller(self.slots_per_worker, as_tensors=True, max_rings=self.max_rings_per_worker,
-                                          budget=budget, watch=True, device=self.device)
+                self._filler = SlotFiller(
+                    self.slots_per_worker,
+                    as_tensors=True,
+                    max_rings=self.max_rings_per_worker,
+                    budget=budget,
+                    watch=True,
+                    device=self.device,
+                )
             else:
                 self._filler = LocalFiller(as_tensors=True, device=self.device)
             self._filler_pid = os.getpid()
         return self._filler
 
-    def _load(self, filler: SlotFiller, group: list, in_worker: bool) -> Any:
+    def _load(self, filler: SlotFiller, group: list[Any], in_worker: bool) -> Any:
         try:
             if self.batch_size is None:
                 info, payload = filler.fill(group[0])
@@ -475,21 +541,11 @@ class StorageDataset(IterableDataset):
         if in_worker and self._materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if in_worker:
-            return _Delivery(self._uid, info, skipped, self._take_refusals(), payload, filler)
-        _record(self._uid, info, skipped, self._take_refusals())
+            return WorkerItem(self._uid, info, skipped, self._take_refusals(), payload, filler)
+        record(self._uid, info, skipped, self._take_refusals())
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy
         return payload
 
 
 _SKIP = object()
-
-
-# Automatic epoch counters are kept for DataLoaders of up to this many workers (beyond it, only
-# persistent workers advance the epoch by themselves; set_epoch always works).
-_MAX_TRACKED_WORKERS = 64
-_AUTO_BASE = 2
-
-
-def _auto_slot(num_workers: int, wid: int) -> int:
-    return num_workers * (num_workers + 1) // 2 + wid

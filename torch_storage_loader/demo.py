@@ -35,9 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=20, help="optimizer steps per trainer")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--no-progress-bar", action="store_true")
-    p.add_argument("--redis", metavar="URL", default=None,
-                   help="hand trajectories over through a RedisStorageQueue at URL (redis://host:port/db) "
-                        "instead of a local StorageQueue; the demo's stream is deleted at the end")
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        default=None,
+        help="hand trajectories over through a RedisStorageQueue at URL (redis://host:port/db) "
+        "instead of a local StorageQueue; the demo's stream is deleted at the end",
+    )
 
 
 class BallEnv:
@@ -59,7 +63,7 @@ class BallEnv:
                 self.pos[k] = np.clip(self.pos[k], 0, self.size - 1)
         frame = np.zeros((self.size, self.size), np.float32)
         x, y = self.pos.astype(int)
-        frame[max(0, x - 2): x + 3, max(0, y - 2): y + 3] = 1.0
+        frame[max(0, x - 2) : x + 3, max(0, y - 2) : y + 3] = 1.0
         self.frames = np.concatenate([self.frames[1:], frame[None]])
         reward = -float(np.linalg.norm(self.pos - self.size / 2)) / self.size
         return self.frames.copy(), reward, self.rng.random() < 0.01
@@ -78,8 +82,17 @@ def collect(queue, directory: str, collector: int, trajectories: int, steps: int
             done = np.zeros(steps, bool)
             for i in range(steps):
                 obs[i], reward[i], done[i] = env.step(int(action[i]))
-            queue.put(loader.save({"obs": obs, "action": torch.from_numpy(action), "reward": reward,
-                                   "done": done, "info": {"collector": collector, "trajectory": t}}))
+            queue.put(
+                loader.save(
+                    {
+                        "obs": obs,
+                        "action": torch.from_numpy(action),
+                        "reward": reward,
+                        "done": done,
+                        "info": {"collector": collector, "trajectory": t},
+                    }
+                )
+            )
     loader.shutdown()
 
 
@@ -92,8 +105,12 @@ def _model():
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(
-                torch.nn.Conv2d(4, 8, 8, stride=4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
-                torch.nn.Flatten(), torch.nn.Linear(8 * 16, 1))
+                torch.nn.Conv2d(4, 8, 8, stride=4),
+                torch.nn.ReLU(),
+                torch.nn.AdaptiveAvgPool2d(4),
+                torch.nn.Flatten(),
+                torch.nn.Linear(8 * 16, 1),
+            )
 
         def training_step(self, batch, batch_idx):
             obs = batch["obs"].flatten(0, -4)  # (batch * steps, 4, H, W)
@@ -126,9 +143,17 @@ def _fit(datamodule, args, progress: bool) -> dict:
     from .lightning import StorageStatsCallback
 
     stats = StorageStatsCallback()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.train_steps, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=progress, callbacks=[stats], num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.train_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=progress,
+        callbacks=[stats],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(_model(), datamodule=datamodule)
     return {"batches": stats.batches, "bytes": stats.bytes, "wall": stats.train_seconds, "waited": stats.wait_total}
 
@@ -173,13 +198,20 @@ def run(args: argparse.Namespace) -> int:
     needed = args.train_steps * args.batch_size
     with tempfile.TemporaryDirectory(prefix="tsl-demo-") as workdir:
         queue = _queue_for(args, workdir)
-        collectors = [ctx.Process(target=collect, args=(queue, os.path.join(workdir, f"collector{c}"), c,
-                                                        args.trajectories, args.steps, args.size), daemon=True)
-                      for c in range(args.collectors)]
+        collectors = [
+            ctx.Process(
+                target=collect,
+                args=(queue, os.path.join(workdir, f"collector{c}"), c, args.trajectories, args.steps, args.size),
+                daemon=True,
+            )
+            for c in range(args.collectors)
+        ]
         for p in collectors:
             p.start()
-        print(f"{args.collectors} collectors are rolling out {args.trajectories} trajectories each "
-              f"({args.steps} steps of {4}x{args.size}x{args.size} frames) into {workdir}")
+        print(
+            f"{args.collectors} collectors are rolling out {args.trajectories} trajectories each "
+            f"({args.steps} steps of {4}x{args.size}x{args.size} frames) into {workdir}"
+        )
         closer = threading.Thread(target=_close_when_done, args=(queue, collectors), name="demo-closer")
         closer.start()  # the stream ends with the collectors, so a last, short batch is trained on too
         dm = StorageDataModule(queue, batch_size=args.batch_size, num_workers=args.workers)
@@ -192,20 +224,24 @@ def run(args: argparse.Namespace) -> int:
         if len(paths) < needed:
             print(f"note: {len(paths)} trajectories for {needed} samples: the runs below repeat epochs")
         print("now the same files, through StorageDataModule and through a plain DataLoader ...")
-        dm = StorageDataModule([FileStorage(p) for p in paths], batch_size=args.batch_size,
-                               num_workers=args.workers)
+        dm = StorageDataModule([FileStorage(p) for p in paths], batch_size=args.batch_size, num_workers=args.workers)
         files_ours = _fit(dm, args, False)
         dm.teardown("fit")
         plain_dm = pl.LightningDataModule.from_datasets(
-            train_dataset=PlainFileDataset(paths), batch_size=args.batch_size, num_workers=args.workers)
+            train_dataset=PlainFileDataset(paths), batch_size=args.batch_size, num_workers=args.workers
+        )
         plain = _fit(plain_dm, args, False)
     print()
     print(f"{'run':<44}{'batches':>8}{'MB':>8}{'samples/s':>11}{'MB/s':>8}{'waited for data (s)':>21}")
-    for name, r in (("streaming from collectors, StorageDataModule", ours),
-                    ("same files, StorageDataModule", files_ours),
-                    ("same files, plain DataLoader", plain)):
+    for name, r in (
+        ("streaming from collectors, StorageDataModule", ours),
+        ("same files, StorageDataModule", files_ours),
+        ("same files, plain DataLoader", plain),
+    ):
         samples = r["batches"] * args.batch_size
-        print(f"{name:<44}{r['batches']:>8}{r['bytes'] / 1e6:>8.1f}{samples / r['wall']:>11.1f}"
-              f"{r['bytes'] / 1e6 / r['wall']:>8.1f}{r['waited']:>21.2f}")
+        print(
+            f"{name:<44}{r['batches']:>8}{r['bytes'] / 1e6:>8.1f}{samples / r['wall']:>11.1f}"
+            f"{r['bytes'] / 1e6 / r['wall']:>8.1f}{r['waited']:>21.2f}"
+        )
     print("(samples/s over the training loop; the streaming run includes waiting for the collectors)")
     return 0

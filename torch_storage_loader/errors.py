@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+from typing import Any
 
 __all__ = [
     "HandleRecordError",
@@ -12,6 +13,7 @@ __all__ = [
     "PickleNotAllowedError",
     "PinRefused",
     "PinThreadUnavailable",
+    "ProducerDiedError",
     "RedisStreamLayoutError",
     "RedisStreamLostError",
     "RedisUnavailableError",
@@ -34,17 +36,27 @@ __all__ = [
 
 
 class StorageError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    Catch it to handle any of them; each subclass also derives from the builtin exception it
+    resembles (``StorageNotFoundError`` is a ``FileNotFoundError``), so code that catches builtins
+    keeps working.
+
+    Args:
+        message: What went wrong and how to fix it.
+        **attrs: Details set as attributes of the exception (``path``, ``url``, ...); they survive
+            pickling, so a worker's error reaches the trainer whole.
+    """
 
     def __init__(self, message: str, **attrs: object) -> None:
         super().__init__(message)
         self.__dict__.update(attrs)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild_error, (type(self), self.args[0], dict(self.__dict__))
 
 
-def _rebuild_error(cls, message, attrs):
+def _rebuild_error(cls: type[StorageError], message: str, attrs: dict[str, object]) -> StorageError:
     return cls(message, **attrs)
 
 
@@ -70,6 +82,11 @@ class SampleMismatchError(StorageError, ValueError):
 
 class WorkerDiedError(StorageError, RuntimeError):
     """A loader worker process died while it held a load, and the retry died too."""
+
+
+class ProducerDiedError(StorageError, RuntimeError):
+    """A producer registered with ``producer()`` (of ``StorageQueue`` or ``RedisStorageQueue``) died
+    without leaving it. ``producers`` lists them (process ids, or the Redis queue's producer ids)."""
 
 
 class LoadCancelledError(StorageError, RuntimeError):
@@ -103,7 +120,7 @@ def pack_exception(exc: BaseException) -> tuple[BaseException, str]:
     tb = "".join(traceback.format_exception(exc))
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure to pickle means: send a plain copy instead
         exc = RuntimeError(f"{type(exc).__qualname__}: {exc}")
     return exc, tb
 

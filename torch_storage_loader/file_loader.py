@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import threading
 import time
-import uuid
 import weakref
 from typing import Any
 
-from . import _clean, _objects
+from ._format.names import new_file_name  # re-exported: file_loader.new_file_name stays
+from ._stores import clean as _clean
+from ._stores import objects as _objects
 from .errors import StorageError
 from .loader import StorageLoader
 from .storage import FileStorage, ObjectStorage, Storage
@@ -22,25 +24,30 @@ __all__ = ["FileStorageLoader", "new_file_name"]
 
 _log = logging.getLogger(__name__)
 
-SUFFIX = ".tsl"
 SHUTDOWN_S = 10.0  # at most this long for shutdown's own clean-up (joining the cleaner, deleting objects)
 
 
-def new_file_name() -> str:
-    """A unique name that sorts in save order (nanosecond clock first)."""
-    return f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:12]}{SUFFIX}"
-
-
 # Every FileStorageLoader of this process: a directory scan spares what any of them tracks or loads.
-_loaders: weakref.WeakSet = weakref.WeakSet()
+_loaders: weakref.WeakSet[FileStorageLoader] = weakref.WeakSet()
 _loaders_lock = threading.Lock()
 
 
-def _key(path: str) -> str:
+def _file_key(path: str) -> str:
     # Handles may spell a path differently (relative, "dir//name"); pin files by one spelling.
     return path if _objects.is_url(path) else os.path.abspath(path)
 
 
+@dataclasses.dataclass(slots=True)
+class _SavedFile:
+    """A file this loader saved and tracks until its TTL: when (monotonic clock), whether a load of
+    it finished in this process, and the path its handle names."""
+
+    saved_at: float
+    path: str
+    loaded: bool = False
+
+
+# Size: 183 lines of code (saving, the directory's lifetime and ttl sweeping); the other 70 are docstrings.
 class FileStorageLoader(StorageLoader):
     """Saves each sample to its own file under ``dirname`` (created with parents).
 
@@ -64,14 +71,40 @@ class FileStorageLoader(StorageLoader):
     is a local path): each sample is then one object, published whole, and ``save`` returns an
     ``ObjectStorage``. ``storage_options`` go to fsspec as they are (for s3fs: ``key``, ``secret``,
     ``endpoint_url``...) and reach the workers, never the handles; without them, what
-    ``configure_object_store`` set applies, else the client reads the environment. ``retry_timeout`` bounds retries of transient errors (default 30 s). Expired
-    objects are found by listing the prefix (every 10 s at most) and aged by the store's clock.
+    ``configure_object_store`` set applies, else the client reads the environment. ``retry_timeout``
+    bounds retries of transient errors (default 30 s). Expired objects are found by listing the
+    prefix (every 10 s at most) and aged by the store's clock.
+
+    Args:
+        dirname: The directory (created with parents on the first ``save``) or object-store prefix URL.
+        ttl: Seconds a file lives after it was saved; None keeps files until deleted by hand.
+        worker_num: How many worker processes load samples.
+        allow_pickle: Let ``save`` pickle values it cannot store as raw bytes, and loads unpickle them;
+            leave it off unless every writer of the directory is trusted.
+        fsync: Flush each file to disk before it takes its name (slower; survives a crash of the machine).
+        remove_on_shutdown: Delete all of this loader's files on ``shutdown``, expired or not.
+        storage_options: fsspec options for an object-store ``dirname`` (credentials, endpoint).
+        retry_timeout: Seconds to retry transient object-store errors for (default 30); object stores only.
+        **loader_options: Passed to ``StorageLoader`` (``slots_per_worker``, ``max_shm_bytes``, ...).
+
+    Raises:
+        ValueError: ``ttl`` is not positive, or ``storage_options``/``retry_timeout`` are given for a
+            local directory.
     """
 
-    def __init__(self, dirname: str | os.PathLike, ttl: float | None = 20, worker_num: int = 3, *,
-                 allow_pickle: bool = False, fsync: bool = False, remove_on_shutdown: bool = False,
-                 storage_options: dict | None = None, retry_timeout: float | None = None,
-                 **loader_options: Any) -> None:
+    def __init__(
+        self,
+        dirname: str | os.PathLike[str],
+        ttl: float | None = 20,
+        worker_num: int = 3,
+        *,
+        allow_pickle: bool = False,
+        fsync: bool = False,
+        remove_on_shutdown: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        retry_timeout: float | None = None,
+        **loader_options: Any,
+    ) -> None:
         if ttl is not None and ttl <= 0:
             raise ValueError(f"{ttl=} must be > 0, or None to keep files forever")
         dirname = os.fspath(dirname)
@@ -91,19 +124,29 @@ class FileStorageLoader(StorageLoader):
             _loaders.add(self)
 
     def _forget_files(self) -> None:
-        self._files: collections.OrderedDict[str, list] = collections.OrderedDict()  # key -> [saved_at, loaded, path]
-        self._busy: collections.Counter = collections.Counter()  # key -> loads queued or in flight
+        self._files: collections.OrderedDict[str, _SavedFile] = collections.OrderedDict()  # in save order
+        self._busy: collections.Counter[str] = collections.Counter()  # key -> loads queued or in flight
         self._files_lock = threading.Lock()
         self._cleaner: threading.Thread | None = None
         self._cleaner_stop = threading.Event()
 
     def save(self, obj: Any) -> FileStorage | ObjectStorage:
-        """Write ``obj`` to a new file (or object) atomically and return its handle."""
+        """Write ``obj`` to a new file (or object) atomically and return its handle.
+
+        Args:
+            obj: The sample: tensors, arrays and plain values, nested in dicts, lists and tuples.
+
+        Returns:
+            A ``FileStorage`` for a directory, an ``ObjectStorage`` for an object-store prefix.
+
+        Raises:
+            UnsupportedLeafError: ``obj`` holds a value that needs pickle and ``allow_pickle`` is off.
+        """
         if self.remote:
             remote = ObjectStorage(f"{self.dirname}/{new_file_name()}", allow_pickle=self.allow_pickle)
             remote.save(obj)
             with self._files_lock:
-                self._files[remote.path] = [time.monotonic(), False, remote.path]
+                self._files[remote.path] = _SavedFile(time.monotonic(), remote.path)
                 self._start_cleaner_locked()
             return remote
         storage = FileStorage(os.path.join(self.dirname, new_file_name()), allow_pickle=self.allow_pickle)
@@ -113,14 +156,19 @@ class FileStorageLoader(StorageLoader):
             os.makedirs(self.dirname, exist_ok=True)
             storage.save(obj, fsync=self.fsync)
         with self._files_lock:
-            self._files[_key(storage.path)] = [time.monotonic(), False, storage.path]
+            self._files[_file_key(storage.path)] = _SavedFile(time.monotonic(), storage.path)
             self._start_cleaner_locked()
         return storage
 
     def shutdown(self, timeout: float | None = None) -> None:
         """As ``StorageLoader.shutdown``; then deletes the files that expired (all of this loader's
         files not being loaded with ``remove_on_shutdown=True``) and forgets the others, which stay
-        until their TTL (another loader on the directory, or ``clean``, deletes them then)."""
+        until their TTL (another loader on the directory, or ``clean``, deletes them then).
+
+        Args:
+            timeout: Seconds to wait for pending loads; None waits for all of them. It also bounds
+                the clean-up (at most 10 s in any case).
+        """
         super().shutdown(timeout)
         with self._files_lock:
             cleaner, self._cleaner = self._cleaner, None
@@ -129,14 +177,15 @@ class FileStorageLoader(StorageLoader):
         if cleaner is not None:
             cleaner.join(bound)
             if cleaner.is_alive():
-                _log.warning("the TTL cleaner of %s did not stop within %g s; it is left to finish alone",
-                             self.dirname, bound)
+                _log.warning(
+                    "the TTL cleaner of %s did not stop within %g s; it is left to finish alone", self.dirname, bound
+                )
         # Object stores may be down: deletions give up after ``bound`` (others, or `clean`, delete them later).
         with _objects.bounded(seconds=bound):
             try:
                 if self.remove_on_shutdown:
                     with self._files_lock:
-                        doomed = [self._files.pop(key)[2] for key in [k for k in self._files if not self._busy[k]]]
+                        doomed = [self._files.pop(key).path for key in [k for k in self._files if not self._busy[k]]]
                     for path in doomed:
                         _clean.remove(path)
                 else:
@@ -148,7 +197,11 @@ class FileStorageLoader(StorageLoader):
                 del self._files[key]
 
     def clean_expired(self) -> int:
-        """Delete expired files now (the cleaner thread calls this); returns how many went."""
+        """Delete expired files now (the cleaner thread calls this).
+
+        Returns:
+            How many files (or objects) were deleted; 0 when ``ttl`` is None.
+        """
         if self.ttl is None:
             return 0
         return self._clean_own() + self._clean_directory()
@@ -157,54 +210,56 @@ class FileStorageLoader(StorageLoader):
     def _start_cleaner_locked(self) -> None:
         if self.ttl is not None and self._cleaner is None:
             self._cleaner_stop = threading.Event()
-            self._cleaner = threading.Thread(target=self._clean_loop, args=(self._cleaner_stop,),
-                                             name="tsl-ttl-cleaner", daemon=True)
+            self._cleaner = threading.Thread(
+                target=self._clean_loop, args=(self._cleaner_stop,), name="tsl-ttl-cleaner", daemon=True
+            )
             self._cleaner.start()
 
     def _on_submit(self, storage: Storage) -> None:
         with self._files_lock:
             if isinstance(storage, (FileStorage, ObjectStorage)):
-                self._busy[_key(storage.path)] += 1
+                self._busy[_file_key(storage.path)] += 1
             self._start_cleaner_locked()  # a loader that only loads cleans its directory too
 
     def _on_finish(self, storage: Storage) -> None:
         if isinstance(storage, (FileStorage, ObjectStorage)):
-            key = _key(storage.path)
+            key = _file_key(storage.path)
             with self._files_lock:
                 self._busy[key] -= 1
                 if self._busy[key] <= 0:
                     del self._busy[key]
-                entry = self._files.get(key)
-                if entry is not None:
-                    entry[1] = True
+                saved = self._files.get(key)
+                if saved is not None:
+                    saved.loaded = True
 
     def _clean_own(self) -> int:
         """Delete this loader's files older than ``ttl`` (by the monotonic clock) and not being loaded."""
         if self.ttl is None:
             return 0
         cutoff = time.monotonic() - self.ttl
-        doomed = []
+        doomed: list[_SavedFile] = []
         with self._files_lock:  # decided under the lock: a load queued before this cannot lose its file
-            for key, (saved_at, loaded, path) in self._files.items():
-                if saved_at > cutoff:
+            for key, saved in self._files.items():
+                if saved.saved_at > cutoff:
                     break
                 if not self._busy[key]:
-                    doomed.append((key, loaded, path))
-            for key, _, _ in doomed:
-                del self._files[key]
+                    doomed.append(saved)
+            for saved in doomed:
+                del self._files[_file_key(saved.path)]
         # Deleted outside it (an unlink on a slow NFS, a request retried for long): saves and loads go on.
         # A load queued meanwhile names a file that had expired: it fails as if it came a moment later.
-        for _, _, path in doomed:
-            _clean.remove(path)
+        for saved in doomed:
+            _clean.remove(saved.path)
         if doomed:
             with self._lock:
                 self._counts["expired"] += len(doomed)
-                self._counts["expired_unloaded"] += sum(not loaded for _, loaded, _ in doomed)
+                self._counts["expired_unloaded"] += sum(not saved.loaded for saved in doomed)
         return len(doomed)
 
     def _clean_directory(self) -> int:
         """Delete this library's files in ``dirname`` older than ``ttl`` by mtime that no loader of
         this process tracks or loads (left by a process that ended, or by a loader shut down)."""
+        assert self.ttl is not None  # the cleaner runs only with a ttl
         paths = _clean.expired_files(self.dirname, self.ttl)
         if not paths:
             return 0
@@ -215,7 +270,7 @@ class FileStorageLoader(StorageLoader):
             for loader in loaders:  # always in the same order: no deadlock between two scans
                 stack.enter_context(loader._files_lock)
             for path in paths:
-                key = _key(path)
+                key = _file_key(path)
                 if not any(key in loader._files or loader._busy[key] for loader in loaders):
                     doomed.append(path)
         removed = sum(_clean.remove(path) for path in doomed)  # outside every loader's lock
@@ -225,8 +280,10 @@ class FileStorageLoader(StorageLoader):
         return removed
 
     def _clean_loop(self, stop: threading.Event) -> None:
-        period = min(1.0, self.ttl / 4)
-        scan_every = math.ceil(min(10.0, self.ttl) / period) if self.remote else 1  # listings cost requests
+        ttl = self.ttl
+        assert ttl is not None  # the cleaner runs only with a ttl
+        period = min(1.0, ttl / 4)
+        scan_every = math.ceil(min(10.0, ttl) / period) if self.remote else 1  # listings cost requests
         tick = 0
         while not stop.wait(period):
             tick += 1
@@ -236,24 +293,19 @@ class FileStorageLoader(StorageLoader):
                         self._clean_own()
                     else:
                         self.clean_expired()
-            except Exception as exc:  # e.g. an object store out of reach: try again at the next tick
+            except Exception as exc:  # noqa: BLE001 -- e.g. an object store out of reach: try again at the next tick
                 if not stop.is_set():
                     _log.warning("TTL clean-up of %s failed, will retry: %s", self.dirname, exc)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's files are the parent's; never delete them from here."""
-        parent_hook = getattr(super(), "_after_fork_in_child", None)
-        if parent_hook is not None:
-            parent_hook()
+        super()._after_fork_in_child()
         self._forget_files()
 
 
-def _forget_parent_files_in_child() -> None:
+def _new_lock_in_child() -> None:
     global _loaders_lock
     _loaders_lock = threading.Lock()  # another thread of the parent may have held it
-    if not hasattr(StorageLoader, "_after_fork_in_child"):  # a StorageLoader without the fork hook
-        for loader in list(_loaders):
-            loader._forget_files()
 
 
-os.register_at_fork(after_in_child=_forget_parent_files_in_child)
+os.register_at_fork(after_in_child=_new_lock_in_child)

@@ -6,18 +6,19 @@ core library does not import Lightning.
 
 from __future__ import annotations
 
-import collections
 import re
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._dataloader import hooks
-from ._slots import retire_rings
+from ._dataloader.consumed import ConsumedStateLoader
+from ._shm.slots import retire_rings
 from .dataset import StorageDataset
 
 __all__ = ["StorageDataModule", "StorageStatsCallback"]
@@ -32,115 +33,111 @@ _LEN_WARNING = re.escape("Your `IterableDataset` has `__len__` defined.")
 _LEN_WARNING_MODULE = re.escape("lightning.pytorch.utilities.data") + r"\Z"
 
 
-class _ConsumedStateLoader(StatefulDataLoader):
-    """A ``StatefulDataLoader`` whose ``state_dict`` covers the batches the model consumed.
-
-    Lightning fetches one batch ahead of the one it trains on; a plain loader's state would count
-    that batch as used, and a run resumed from a mid-epoch checkpoint would skip it. For the same
-    reason a streaming source's handles are acknowledged when their batch is consumed, not when
-    it is fetched: the batch fetched ahead at ``max_steps`` goes back to the source.
-    """
-
-    def __init__(self, *args: Any, epoch_fn: Callable[[], int | None] | None = None,
-                 confirm_delivery: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.confirm_delivery = confirm_delivery
-        self._epoch_fn = epoch_fn
-        self._yielded_states: collections.deque = collections.deque()
-        self._consumed_state: dict | None = None
-
-    def __iter__(self):
-        epoch = self._epoch_fn() if self._epoch_fn is not None else None
-        if epoch is not None:
-            self.dataset.set_epoch(epoch)  # Lightning calls set_epoch on samplers only
-        self._yielded_states.clear()
-        self._consumed_state = None
-        for batch in super().__iter__():
-            self._yielded_states.append(super().state_dict())
-            yield batch
-
-    def mark_consumed(self) -> None:
-        if self._yielded_states:
-            self._consumed_state = self._yielded_states.popleft()
-        ledger = getattr(hooks.loader_iterator(self), "_tsl_ledger", None)
-        if ledger is not None:
-            ledger.consumed()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._consumed_state if self._consumed_state is not None else super().state_dict()
-
-
 class StorageDataModule(pl.LightningDataModule):
     """A ``LightningDataModule`` over ``StorageDataset``.
 
-    ``source`` (and the optional ``val_source``) is anything ``StorageDataset`` takes. The train
-    loader is a ``torchdata`` ``StatefulDataLoader``: Lightning checkpoints its ``state_dict``, so a
-    run resumed from a mid-epoch checkpoint neither repeats nor skips samples of a finite source.
-    ``batch_size`` batches inside the dataset (samples are stacked straight into shared memory).
-    A finite source sizes Lightning's epochs (``len`` per rank, equal on every rank: see
-    ``StorageDataset``); ``shuffle=True`` shuffles the train source with ``seed`` and the trainer's epoch.
-    ``storage_options`` are for object-store handles or prefixes (see ``StorageDataset``); they are
-    kept out of the saved hyperparameters. ``trusted_roots``: where handles from a network source
-    may point (see ``StorageDataset``). ``device="cuda"``: batches reach the model already on the
-    GPU (copied one batch ahead on a side stream, see ``StorageDataset``), so Lightning's own
-    transfer has nothing left to do; ``pin_memory`` is then ignored.
+    The train loader is a ``torchdata`` ``StatefulDataLoader``: Lightning checkpoints its
+    ``state_dict``, so a run resumed from a mid-epoch checkpoint neither repeats nor skips samples of
+    a finite source. A finite source sizes Lightning's epochs (``len`` per rank, equal on every
+    rank: see ``StorageDataset``). The dataset options are ``StorageDataset``'s, checked here when
+    the module is made (errors at construction, not at ``fit``).
+
+    Args:
+        source: the train source: anything ``StorageDataset`` takes.
+        val_source: the validation source (none: no validation loop).
+        batch_size: batches made inside the dataset (samples stacked straight into shared memory).
+        num_workers: DataLoader workers (0: load in the trainer's process).
+        prefetch_factor: items each worker loads ahead (DataLoader's).
+        persistent_workers: keep workers between epochs (default: when there are workers).
+        pin_memory: DataLoader's; ignored with ``device``.
+        drop_last: drop a last incomplete batch (``StorageDataset``'s).
+        collate_fn: how samples become a batch (``StorageDataset``'s).
+        slots_per_worker: shared-memory slots per worker ring (``StorageDataset``'s).
+        max_rings_per_worker: rings a worker may hold for changing layouts (``StorageDataset``'s).
+        max_shm_bytes: the shared memory all workers together may map (``StorageDataset``'s).
+        on_error: ``"raise"`` or ``"skip"`` a sample that cannot be loaded (``StorageDataset``'s).
+        multiprocessing_context: the workers' start method (DataLoader's).
+        shuffle: shuffle the train source with ``seed`` and the trainer's epoch.
+        seed: the shuffle's seed.
+        storage_options: for object-store handles or prefixes (``StorageDataset``'s); kept out of the
+            saved hyperparameters.
+        trusted_roots: where handles from a network source may point (``StorageDataset``'s).
+        device: e.g. ``"cuda"``: batches reach the model already on the GPU (copied one batch ahead
+            on a side stream), so Lightning's own transfer has nothing left to do.
+
+    Raises:
+        ValueError: an option out of range (the message names it).
     """
 
-    def __init__(self, source: Any, *, val_source: Any = None, batch_size: int | None = None,
-                 num_workers: int = 2, prefetch_factor: int | None = 2, persistent_workers: bool | None = None,
-                 pin_memory: bool = False, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 slots_per_worker: int = 4, max_rings_per_worker: int = 8, on_error: str = "raise",
-                 multiprocessing_context: str | None = None, shuffle: bool = False, seed: int = 0,
-                 storage_options: dict | None = None, trusted_roots: list[str] | None = None,
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        val_source: Any = None,
+        batch_size: int | None = None,
+        num_workers: int = 2,
+        prefetch_factor: int | None = 2,
+        persistent_workers: bool | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        slots_per_worker: int = 4,
+        max_rings_per_worker: int = 8,
+        max_shm_bytes: int | None = None,
+        on_error: str = "raise",
+        multiprocessing_context: str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        trusted_roots: list[str] | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         super().__init__()
         if num_workers < 0:
             raise ValueError(f"{num_workers=} must be >= 0")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"{shuffle=} must be a bool")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"{seed=} must be an int")
+        # What every StorageDataset of this module is made with (shuffle: the train one's only).
+        self._dataset_options: dict[str, Any] = dict(
+            batch_size=batch_size,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            slots_per_worker=slots_per_worker,
+            max_rings_per_worker=max_rings_per_worker,
+            max_shm_bytes=max_shm_bytes,
+            on_error=on_error,
+            seed=seed,
+            storage_options=storage_options,
+            trusted_roots=trusted_roots,
+            device=device,
+        )
+        StorageDataset.check_options(shuffle=shuffle, **self._dataset_options)  # errors now, not at fit
         # Credentials never reach hparams (logged, checkpointed).
         self.save_hyperparameters(ignore=["source", "val_source", "collate_fn", "storage_options"])
-        self.storage_options = storage_options
-        self.trusted_roots = trusted_roots
-        self.device = None if device is None else str(device)
         self.source = source
         self.val_source = val_source
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # read by Lightning's batch-size tuner
+        self.shuffle = shuffle
+        self.device = None if device is None else str(device)
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor if num_workers else None
         self.persistent_workers = bool(num_workers) if persistent_workers is None else persistent_workers
         self.pin_memory = pin_memory
-        self.drop_last = drop_last
-        self.collate_fn = collate_fn
-        self.slots_per_worker = slots_per_worker
-        self.max_rings_per_worker = max_rings_per_worker
-        self.on_error = on_error
-        self.shuffle = shuffle
-        self.seed = seed
         self.multiprocessing_context = multiprocessing_context if num_workers else None
         self.train_dataset: StorageDataset | None = None
         self.val_dataset: StorageDataset | None = None
-        self._loaders: list = []
-        self._train_loader: _ConsumedStateLoader | None = None
+        self._loaders: list[ConsumedStateLoader] = []
+        self._train_loader: ConsumedStateLoader | None = None
         self._hide_val_if_unused()
 
     def _hide_val_if_unused(self) -> None:
         # Lightning runs (and warns about) a validation loop whenever val_dataloader is overridden.
         if self.val_source is None:
-            self.val_dataloader = super().val_dataloader
+            self.val_dataloader = super().val_dataloader  # type: ignore[method-assign]  # so Lightning sees no override
 
     def prepare_data(self) -> None:
         """Nothing to download or write: producers fill the source."""
 
     def _dataset(self, source: Any, shuffle: bool = False) -> StorageDataset:
-        return StorageDataset(source, batch_size=self.batch_size, drop_last=self.drop_last,
-                              collate_fn=self.collate_fn, slots_per_worker=self.slots_per_worker,
-                              max_rings_per_worker=self.max_rings_per_worker,
-                              on_error=self.on_error, shuffle=shuffle, seed=self.seed,
-                              storage_options=self.storage_options, trusted_roots=self.trusted_roots,
-                              device=self.device)
+        return StorageDataset(source, shuffle=shuffle, **{**self._dataset_options, "batch_size": self.batch_size})
 
     def _quiet_len_warning(self, on: bool) -> None:
         entry: Any = getattr(self, "_len_filter", None)
@@ -156,6 +153,11 @@ class StorageDataModule(pl.LightningDataModule):
             getattr(warnings, "_filters_mutated", lambda: None)()
 
     def setup(self, stage: str | None = None) -> None:
+        """Make the datasets ``stage`` needs (Lightning calls this on every rank).
+
+        Args:
+            stage: ``"fit"``, ``"validate"``, or ``None`` for both.
+        """
         self._quiet_len_warning(True)
         if stage in ("fit", None) and self.train_dataset is None:
             self.train_dataset = self._dataset(self.source, self.shuffle)
@@ -163,6 +165,15 @@ class StorageDataModule(pl.LightningDataModule):
             self.val_dataset = self._dataset(self.val_source)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count a train batch as consumed by the model, for the loader's checkpointed state.
+
+        Args:
+            batch: the batch (returned unchanged).
+            dataloader_idx: which loader it came from.
+
+        Returns:
+            ``batch``.
+        """
         trainer = getattr(self, "trainer", None)
         if trainer is not None and trainer.training and self._train_loader is not None:
             self._train_loader.mark_consumed()
@@ -170,30 +181,55 @@ class StorageDataModule(pl.LightningDataModule):
 
     def _trainer_epoch(self) -> int | None:
         trainer = self.trainer
-        return trainer.fit_loop.epoch_progress.current.processed if trainer is not None else None
+        if trainer is None:
+            return None
+        # A _ProcessedTracker at runtime; Lightning annotates its base class.
+        return trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined,no-any-return]
 
     def _loader(self, dataset: StorageDataset, train: bool = False) -> StatefulDataLoader:
-        loader = _ConsumedStateLoader(
-            dataset, epoch_fn=self._trainer_epoch if train else None, confirm_delivery=train, batch_size=None,
-            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-            persistent_workers=self.persistent_workers, pin_memory=self.pin_memory and self.device is None,
-            multiprocessing_context=self.multiprocessing_context)
+        loader = ConsumedStateLoader(
+            dataset,
+            epoch_fn=self._trainer_epoch if train else None,
+            confirm_delivery=train,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            persistent_workers=self.persistent_workers,
+            pin_memory=self.pin_memory and self.device is None,
+            multiprocessing_context=self.multiprocessing_context,
+        )
         self._loaders.append(loader)
         return loader
 
     def train_dataloader(self) -> StatefulDataLoader:
+        """The train loader (a new one per call: Lightning asks once per ``fit``).
+
+        Returns:
+            A ``StatefulDataLoader`` over the train ``StorageDataset``.
+        """
         if self.train_dataset is None:
             self.setup("fit")
+        assert self.train_dataset is not None  # setup made it
         self._train_loader = self._loader(self.train_dataset, train=True)
         return self._train_loader
 
     def val_dataloader(self) -> StatefulDataLoader:
+        """The validation loader (only offered when there is a ``val_source``).
+
+        Returns:
+            A ``StatefulDataLoader`` over the validation ``StorageDataset``.
+        """
         if self.val_dataset is None:
             self.setup("validate")
+        assert self.val_dataset is not None  # setup made it (val_dataloader is hidden without a val_source)
         return self._loader(self.val_dataset)
 
     def teardown(self, stage: str | None = None) -> None:
-        """Stop every worker of the loaders this module made and release their shared memory."""
+        """Stop every worker of the loaders this module made and release their shared memory.
+
+        Args:
+            stage: the stage ending (every stage tears down the same).
+        """
         for loader in self._loaders:
             hooks.shutdown_iterator(loader)
         self._loaders.clear()
@@ -202,11 +238,20 @@ class StorageDataModule(pl.LightningDataModule):
         self._quiet_len_warning(False)
 
     def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves of the module in a checkpoint: the train dataset's counts.
+
+        Returns:
+            ``{"train_stats": ...}`` (``StorageDataset.stats()``).
+        """
         stats = self.train_dataset.stats() if self.train_dataset is not None else {}
         return {"train_stats": stats}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loader progress is restored by Lightning from the StatefulDataLoader's own state."""
+        """Nothing to restore here: Lightning restores loader progress from the StatefulDataLoader's own state.
+
+        Args:
+            state_dict: what ``state_dict`` saved.
+        """
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -226,6 +271,9 @@ class StorageStatsCallback(pl.Callback):
     Logged per step: ``loader/samples_per_s``, ``loader/gb_per_s``, ``loader/slot_loads``,
     ``loader/fallbacks``, ``loader/wait_s`` (time the trainer waited for this batch) and
     ``loader/wait_total_s``.
+
+    Args:
+        prog_bar: show the figures in the progress bar too.
     """
 
     def __init__(self, prog_bar: bool = False) -> None:
@@ -233,36 +281,68 @@ class StorageStatsCallback(pl.Callback):
         self.wait_total = 0.0
         self.batches = 0
         self.bytes = 0
-        self._batch_end = None
-        self._start = None
+        self._batch_end: float | None = None
+        self._start: float | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the clock and reset the counts.
+
+        Args:
+            trainer: the trainer.
+            pl_module: the model.
+        """
         self._start = self._batch_end = time.perf_counter()
         self.wait_total = 0.0
         self.batches = self.bytes = 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the figures for this batch (how long the trainer waited for it, throughput).
+
+        Args:
+            trainer: the trainer.
+            pl_module: the model, which logs them.
+            batch: the batch (its tensors' bytes are counted).
+            batch_idx: its index.
+        """
         now = time.perf_counter()
         wait = now - self._batch_end if self._batch_end is not None else 0.0
         self.wait_total += wait
         self.batches += 1
         self.bytes += sum(t.nbytes for t in _tensors(batch))
-        dm = trainer.datamodule
+        dm = getattr(trainer, "datamodule", None)  # set by Trainer.fit; not declared on the class
         stats = dm.train_dataset.stats() if isinstance(dm, StorageDataModule) and dm.train_dataset is not None else {}
         elapsed = max(now - (self._start or now), 1e-9)
         samples = self.batches * (getattr(dm, "batch_size", None) or 1)
-        pl_module.log_dict({
-            "loader/wait_s": wait,
-            "loader/wait_total_s": self.wait_total,
-            "loader/samples_per_s": samples / elapsed,
-            "loader/gb_per_s": self.bytes / elapsed / 1e9,
-            "loader/slot_loads": float(stats.get("slot_loads", 0)),
-            "loader/fallbacks": float(stats.get("fallbacks", 0)),
-        }, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1, sync_dist=False)
+        pl_module.log_dict(
+            {
+                "loader/wait_s": wait,
+                "loader/wait_total_s": self.wait_total,
+                "loader/samples_per_s": samples / elapsed,
+                "loader/gb_per_s": self.bytes / elapsed / 1e9,
+                "loader/slot_loads": float(stats.get("slot_loads", 0)),
+                "loader/fallbacks": float(stats.get("fallbacks", 0)),
+            },
+            on_step=True,
+            on_epoch=False,
+            prog_bar=self.prog_bar,
+            batch_size=1,
+            sync_dist=False,
+        )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Note when the step ended: the wait for the next batch starts here.
+
+        Args:
+            trainer: the trainer.
+            pl_module: the model.
+            outputs: the step's outputs.
+            batch: the batch.
+            batch_idx: its index.
+        """
         self._batch_end = time.perf_counter()
 
     @property
@@ -273,12 +353,19 @@ class StorageStatsCallback(pl.Callback):
         return self._batch_end - self._start
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(trainer.datamodule, StorageDataModule):
-            trainer.datamodule.teardown("fit")
+        """Tear a ``StorageDataModule`` down (workers stopped, shared memory released) when training fails.
+
+        Args:
+            trainer: the trainer.
+            pl_module: the model.
+            exception: what was raised.
+        """
+        dm = getattr(trainer, "datamodule", None)  # set by Trainer.fit; not declared on the class
+        if isinstance(dm, StorageDataModule):
+            dm.teardown("fit")
 
 
-
-def _tensors(x: Any):
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, dict) or hasattr(x, "items"):

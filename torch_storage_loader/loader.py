@@ -6,7 +6,12 @@ shared-memory slot that stays leased until the last array or tensor viewing it i
 what you got as long as you like; the worker uses another slot, or a slower path when none is free).
 
 This module is dispatch: requests, futures, callbacks, retries and stats. The worker processes
-themselves (starting, watching, replacing them, and their wire protocol) are ``_supervisor``'s.
+themselves are ``_workers``' (``pool`` starts, watches and replaces them; ``protocol`` is what they
+say; ``worker`` is the loop each runs).
+
+Size: a little over 400 lines, because ``StorageLoader`` is the DI-engine API and its dispatch
+(one receiving thread owning requests, futures, callbacks, retries after a worker died, and the
+counts of all of them): split, each part would reach into the other's state under its lock.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
-from ._shm import default_shm_budget, shm_dir
-from ._supervisor import Failed, Loaded, WorkerConfig, WorkerLost, WorkerPool
+from ._shm.alloc import FillInfo, check_slot_options
+from ._shm.segments import default_shm_budget, shm_dir
+from ._workers.pool import WorkerConfig, WorkerPool
+from ._workers.protocol import Failed, Loaded, WorkerLost
 from .errors import LoadCancelledError, WorkerDiedError
 from .storage import Storage
 
@@ -37,31 +45,73 @@ logger = logging.getLogger("torch_storage_loader")
 
 
 @dataclasses.dataclass(frozen=True)
-class LoaderStats:
-    """A snapshot of what a loader did since it was created."""
+class LoaderStats(Mapping[str, Any]):
+    """A snapshot of what a loader did since it was created.
 
-    loads: int = 0  # samples delivered
-    bytes: int = 0  # array bytes delivered
-    errors: int = 0  # loads that failed
-    slot_loads: int = 0  # delivered through a shared-memory slot
-    fallbacks: int = 0  # delivered in a segment of its own (every slot of every ring still leased)
-    oversize: int = 0  # an outlier too large for the slots, delivered in a segment of its own
-    copies: int = 0  # copied out of shared memory on delivery (the consumer kept every slot)
-    regrows: int = 0  # a worker added a ring (slots all leased) or replaced its rings by larger ones
-    retries: int = 0  # loads retried after their worker died
+    Read it by attribute (``stats.loads``) or, like every ``stats()`` of this library
+    (``StorageDataset.stats()``, ``RedisStorageQueue.stats()``), as a mapping of counts by name
+    (``stats["loads"]``, ``dict(stats)``).
+
+    Attributes:
+        loads: Samples delivered.
+        bytes: Array bytes delivered.
+        errors: Loads that failed.
+        slot_loads: Samples delivered through a shared-memory slot.
+        fallbacks: Samples delivered in a segment of their own because every slot of every ring was
+            still leased.
+        oversize: Outliers too large for the slots, delivered in a segment of their own.
+        copies: Samples copied out of shared memory on delivery (the consumer kept every slot).
+        regrows: Times a worker added a ring (its slots all leased) or replaced its rings by larger ones.
+        retries: Loads retried after their worker died.
+        worker_restarts: Workers started again after one died.
+        queued: Loads that waited because every worker was busy or still starting.
+        queue_wait_s: The total time, in seconds, they waited.
+        pending: Loads not yet delivered.
+        expired: Files deleted by the TTL cleaner (``FileStorageLoader``).
+        expired_unloaded: Of those, files this loader never loaded.
+    """
+
+    loads: int = 0
+    bytes: int = 0
+    errors: int = 0
+    slot_loads: int = 0
+    fallbacks: int = 0
+    oversize: int = 0
+    copies: int = 0
+    regrows: int = 0
+    retries: int = 0
     worker_restarts: int = 0
-    queued: int = 0  # loads that waited because every worker was busy or still starting
-    queue_wait_s: float = 0.0  # total time they waited
-    pending: int = 0  # not yet delivered
-    expired: int = 0  # files deleted by the TTL cleaner (FileStorageLoader)
-    expired_unloaded: int = 0  # ... of which this loader never loaded
+    queued: int = 0
+    queue_wait_s: float = 0.0
+    pending: int = 0
+    expired: int = 0
+    expired_unloaded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """The counts as a plain dict (``dict(stats)`` gives the same).
+
+        Returns:
+            Each count by its name.
+        """
         return dataclasses.asdict(self)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in _STAT_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STAT_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_STAT_FIELDS)
+
+
+_STAT_FIELDS = tuple(f.name for f in dataclasses.fields(LoaderStats))
 
 
 class _Request:
-    __slots__ = ("storage", "future", "callback", "attempts", "enqueued", "waited")
+    __slots__ = ("attempts", "callback", "enqueued", "future", "storage", "waited")
 
     def __init__(self, storage: Storage, callback: Callable[[Any], None] | None) -> None:
         self.storage = storage
@@ -84,11 +134,14 @@ class _WorkersCannotStart(Exception):
         return WorkerDiedError(
             f"loader workers exit with code {code} as they start, so {storage!r} was not loaded; their error "
             "output says why (under spawn or forkserver, a script that starts loaders needs "
-            "`if __name__ == '__main__':`)", storage=storage, exitcode=code)
+            "`if __name__ == '__main__':`)",
+            storage=storage,
+            exitcode=code,
+        )
 
 
-_loaders: weakref.WeakSet = weakref.WeakSet()  # every loader of this process, for the fork hook
-_live: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, for the atexit hook
+_loaders: weakref.WeakSet[StorageLoader] = weakref.WeakSet()  # every loader of this process, for the fork hook
+_live: weakref.WeakSet[StorageLoader] = weakref.WeakSet()  # loaders with workers, for the atexit hook
 
 # multiprocessing terminates daemon children from its own atexit hook, registered when
 # multiprocessing.util is first imported. Import it first, so that (atexit being LIFO) loaders
@@ -112,12 +165,13 @@ def _forget_parent_loaders() -> None:
 os.register_at_fork(after_in_child=_forget_parent_loaders)
 
 
-def default_context():
+def default_context() -> mp.context.BaseContext:
     """``forkserver`` where available (Python 3.14's default on Linux), else ``spawn``."""
     methods = mp.get_all_start_methods()
     return mp.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
+# Size: about 290 lines; the dispatch state (requests, futures, retries, counts) is one lock's, see the module.
 class StorageLoader(ABC):
     """Loads ``Storage`` handles in ``worker_num`` processes and calls back with the samples.
 
@@ -127,21 +181,40 @@ class StorageLoader(ABC):
     ``max_rings_per_worker``, then gives each further sample a segment of its own (a fallback).
     The workers together hold at most ``max_shm_bytes`` of shared memory (default: half the shm
     filesystem). Callbacks run on the receiving thread, one at a time, in completion order.
+
+    Subclasses implement ``save`` (``FileStorageLoader`` is the one this library ships). Use a
+    loader as a context manager, or call ``shutdown``, to stop its workers.
+
+    Args:
+        worker_num: How many worker processes load samples.
+        slots_per_worker: Shared-memory slots in each worker's ring.
+        max_rings_per_worker: How many rings a worker may add when its slots are all still held.
+        max_inflight_per_worker: Loads sent to one worker before it answers; more wait in the loader.
+        max_shm_bytes: Shared memory for all workers together; None: half the shm filesystem.
+        mp_context: The multiprocessing start method (a name or a context) for the workers; None:
+            ``forkserver`` where available, else ``spawn``.
+
+    Raises:
+        ValueError: An option is out of range (``worker_num`` and the per-worker counts must be >= 1).
     """
 
-    def __init__(self, worker_num: int = 3, *, slots_per_worker: int = 4, max_rings_per_worker: int = 8,
-                 max_inflight_per_worker: int = 4, max_shm_bytes: int | None = None,
-                 mp_context: str | mp.context.BaseContext | None = None) -> None:
+    def __init__(
+        self,
+        worker_num: int = 3,
+        *,
+        slots_per_worker: int = 4,
+        max_rings_per_worker: int = 8,
+        max_inflight_per_worker: int = 4,
+        max_shm_bytes: int | None = None,
+        mp_context: str | mp.context.BaseContext | None = None,
+    ) -> None:
         if worker_num < 1:
             raise ValueError(f"{worker_num=} must be >= 1")
-        if slots_per_worker < 1:
-            raise ValueError(f"{slots_per_worker=} must be >= 1")
-        if max_rings_per_worker < 1:
-            raise ValueError(f"{max_rings_per_worker=} must be >= 1")
+        check_slot_options(
+            slots_per_worker=slots_per_worker, max_rings_per_worker=max_rings_per_worker, max_shm_bytes=max_shm_bytes
+        )
         if max_inflight_per_worker < 1:
             raise ValueError(f"{max_inflight_per_worker=} must be >= 1")
-        if max_shm_bytes is not None and max_shm_bytes < 1:
-            raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the shared-memory filesystem")
         self._worker_num = worker_num
         self._slots = slots_per_worker
         self._max_rings = max_rings_per_worker
@@ -157,7 +230,7 @@ class StorageLoader(ABC):
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._counts: collections.Counter = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count()
         self._reset_state()
 
@@ -173,10 +246,24 @@ class StorageLoader(ABC):
     # ----------------------------------------------------------------------------- public API
     @abstractmethod
     def save(self, obj: Any) -> Storage:
-        """Store ``obj`` synchronously and return a small, picklable handle to it."""
+        """Store ``obj`` synchronously and return a small, picklable handle to it.
+
+        Args:
+            obj: The sample: tensors, arrays and plain values, nested in dicts, lists and tuples.
+
+        Returns:
+            A handle to pass to ``load``, possibly in another process.
+        """
 
     def to_storage(self, obj: Any) -> Storage:
-        """DI-engine's older name for ``save``."""
+        """DI-engine's older name for ``save``.
+
+        Args:
+            obj: The sample, as for ``save``.
+
+        Returns:
+            A handle, as ``save`` returns.
+        """
         return self.save(obj)
 
     def load(self, storage: Storage, callback: Callable[[Any], None]) -> Future[None]:
@@ -186,25 +273,47 @@ class StorageLoader(ABC):
         (it does not hold the sample, so keeping futures around keeps no slot leased), or to the
         error: a failure is logged and set on it, and the callback is not called then. A callback
         that raises is logged; the loader keeps serving.
+
+        Args:
+            storage: The handle to load.
+            callback: Called with the sample once loaded, on the loader's receiving thread.
+
+        Returns:
+            A future that resolves to None once the callback has run, or to the load's error.
         """
         return self._submit(storage, callback)
 
     def load_async(self, storage: Storage) -> Future[Any]:
-        """Load ``storage`` in a worker; the ``Future`` gets the sample or the error."""
+        """Load ``storage`` in a worker; the ``Future`` gets the sample or the error.
+
+        Args:
+            storage: The handle to load.
+
+        Returns:
+            A future of the sample; its ``result()`` raises the load's error, if any.
+        """
         return self._submit(storage, None)
 
     def stats(self) -> LoaderStats:
+        """What this loader did so far: loads, bytes, slot use, errors, retries.
+
+        Returns:
+            A snapshot of the counts (``LoaderStats``).
+        """
         with self._lock:
             c = dict(self._counts)
             c["pending"] = self._outstanding_locked()
-        c["queue_wait_s"] = c.pop("queue_wait_ns", 0) / 1e9
-        return LoaderStats(**c)
+        queue_wait_s = c.pop("queue_wait_ns", 0) / 1e9
+        return LoaderStats(**c, queue_wait_s=queue_wait_s)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Deliver what is pending (at most ``timeout`` seconds), then stop workers and threads.
 
         Loads still pending after ``timeout`` fail with ``LoadCancelledError``. All shared memory is
         released; the loader can be used again afterwards.
+
+        Args:
+            timeout: Seconds to wait for pending loads; None waits for all of them.
         """
         on_receiver = threading.current_thread() is self._thread
         with self._cond:
@@ -222,30 +331,34 @@ class StorageLoader(ABC):
         finally:
             leftovers = self._stop_session(on_receiver)
             for req in leftovers:
-                self._finish(req, error=LoadCancelledError(
-                    f"shutdown(timeout={timeout}) gave up on loading {req.storage!r}; "
-                    "call shutdown() without a timeout to wait for every pending load",
-                    storage=req.storage))
+                self._finish(
+                    req,
+                    error=LoadCancelledError(
+                        f"shutdown(timeout={timeout}) gave up on loading {req.storage!r}; "
+                        "call shutdown() without a timeout to wait for every pending load",
+                        storage=req.storage,
+                    ),
+                )
 
-    def __enter__(self) -> "StorageLoader":
+    def __enter__(self) -> StorageLoader:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
     # ---------------------------------------------------------------------- hooks for subclasses
-    def _on_submit(self, storage: Storage) -> None:
+    def _on_submit(self, storage: Storage) -> None:  # noqa: B027 -- an optional hook: a no-op unless a subclass needs it
         """Called before a load is queued (FileStorageLoader pins the file against its TTL)."""
 
-    def _on_finish(self, storage: Storage) -> None:
+    def _on_finish(self, storage: Storage) -> None:  # noqa: B027 -- an optional hook
         """Called once a load is delivered or has failed."""
 
-    def _after_fork_in_child(self) -> None:
+    def _after_fork_in_child(self) -> None:  # noqa: B027 -- an optional hook
         """Called in a forked child once the loader forgot the parent's workers, threads and loads."""
 
     # ------------------------------------------------------------------------- for tests, debugging
     @property
-    def _workers(self) -> list:
+    def _workers(self) -> list[Any]:
         pool = self._pool
         return list(pool.workers) if pool is not None else []
 
@@ -266,6 +379,7 @@ class StorageLoader(ABC):
             if not self._started:
                 self._start_locked()
             pool = self._pool
+        assert pool is not None  # started above
         pool.wake()
         return req.future
 
@@ -276,8 +390,9 @@ class StorageLoader(ABC):
         # otherwise hand its own, older environment to the worker.
         config = WorkerConfig(self._slots, self._max_rings, max(1, total // self._worker_num), shm_dir())
         self._pool = WorkerPool(self._ctx, self._worker_num, config)
-        self._thread = threading.Thread(target=self._run, args=(self._pool, self._stop),
-                                        name="tsl-loader-recv", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(self._pool, self._stop), name="tsl-loader-recv", daemon=True
+        )
         self._started = True
         self._thread.start()
         _live.add(self)
@@ -295,7 +410,7 @@ class StorageLoader(ABC):
                     else:
                         self._on_reply(event)
                     del event  # a sample dropped by its callback frees its slot before the next dispatch
-        except BaseException as exc:  # noqa: BLE001 - fail the loads, never leave them hanging
+        except BaseException as exc:
             if stop.is_set():
                 return
             if not isinstance(exc, _WorkersCannotStart):
@@ -339,14 +454,9 @@ class StorageLoader(ABC):
         self._count_delivery(event.info)
         self._finish(req, result=event.payload)
 
-    def _count_delivery(self, info) -> None:
+    def _count_delivery(self, info: FillInfo) -> None:
         with self._lock:
-            c = self._counts
-            c["loads"] += 1
-            c["bytes"] += info.nbytes
-            c[{"slot": "slot_loads", "oversize": "oversize"}.get(info.via, "fallbacks")] += 1
-            c["copies"] += bool(getattr(info, "copied", False))
-            c["regrows"] += info.regrew
+            info.count(self._counts)
 
     def _on_worker_lost(self, event: WorkerLost, pool: WorkerPool) -> None:
         if not event.restarted and not pool.workers:
@@ -365,11 +475,16 @@ class StorageLoader(ABC):
                 else:
                     failed.append(req)
         for req in reversed(failed):
-            self._finish(req, error=WorkerDiedError(
-                f"loader worker {event.index} (pid {event.pid}) died with exit code {event.exitcode} while "
-                f"loading {req.storage!r}, after that load's first worker had died too; the sample may crash "
-                "the reader, or the machine is out of memory",
-                storage=req.storage, exitcode=event.exitcode))
+            self._finish(
+                req,
+                error=WorkerDiedError(
+                    f"loader worker {event.index} (pid {event.pid}) died with exit code {event.exitcode} while "
+                    f"loading {req.storage!r}, after that load's first worker had died too; the sample may crash "
+                    "the reader, or the machine is out of memory",
+                    storage=req.storage,
+                    exitcode=event.exitcode,
+                ),
+            )
 
     def _finish(self, req: _Request, *, result: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
@@ -383,8 +498,9 @@ class StorageLoader(ABC):
                 try:
                     req.callback(result)
                 except Exception:
-                    logger.exception("callback %r raised while handling %r; the loader goes on",
-                                     req.callback, req.storage)
+                    logger.exception(
+                        "callback %r raised while handling %r; the loader goes on", req.callback, req.storage
+                    )
             if not req.future.done():
                 req.future.set_result(result if req.callback is None else None)
         self._on_finish(req.storage)

@@ -7,19 +7,16 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import time
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any, cast
 
-from ._proc import pid_alive
-from .errors import StorageError
+from ._workers.proc import pid_alive
+from .errors import ProducerDiedError  # re-exported: torch_storage_loader.queue.ProducerDiedError stays importable
 from .storage import Storage
 
 __all__ = ["ProducerDiedError", "StorageQueue"]
 
 MAX_PRODUCERS = 256
-
-
-class ProducerDiedError(StorageError, RuntimeError):
-    """A process registered with ``StorageQueue.producer()`` died without leaving it."""
 
 
 class _End:
@@ -29,12 +26,12 @@ class _End:
 class _Returned:
     """A handle given back by ``pid`` (see ``StorageQueue.give_back``)."""
 
-    __slots__ = ("storage", "pid")
+    __slots__ = ("pid", "storage")
 
     def __init__(self, storage: Storage, pid: int) -> None:
         self.storage, self.pid = storage, pid
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return _Returned, (self.storage, self.pid)
 
 
@@ -47,6 +44,22 @@ class StorageQueue:
     stopped ``StorageDataset`` does) was taken again. Producers that run ``with queue.producer():``
     are watched: if one dies without leaving the block, consumers get ``ProducerDiedError``
     instead of waiting forever.
+
+    Args:
+        maxsize: How many handles the queue holds before ``put`` blocks; 0: no bound.
+        mp_context: The multiprocessing start method (a name or a context) its primitives are made
+            in; None: ``spawn``, whose primitives travel to children of any start method.
+
+    Raises:
+        ValueError: ``maxsize`` is negative.
+
+    Examples:
+        >>> from torch_storage_loader import FileStorage, StorageQueue
+        >>> queue = StorageQueue()
+        >>> queue.put(FileStorage("a.tsl"))
+        >>> queue.close()
+        >>> list(queue)
+        [FileStorage('a.tsl')]
     """
 
     def __init__(self, maxsize: int = 0, *, mp_context: str | mp.context.BaseContext | None = None) -> None:
@@ -61,6 +74,17 @@ class StorageQueue:
         self._returns = ctx.Array("q", 2 * MAX_PRODUCERS)  # (pid, handles given back and not yet taken)
 
     def put(self, storage: Storage, block: bool = True, timeout: float | None = None) -> None:
+        """Add a handle for a consumer to take.
+
+        Args:
+            storage: The handle (its sample must be saved already).
+            block: Wait while the queue is full; False raises ``queue.Full`` at once instead.
+            timeout: With ``block``, raise ``queue.Full`` after this many seconds; None waits forever.
+
+        Raises:
+            TypeError: ``storage`` is not a ``Storage`` handle.
+            queue.Full: The queue stayed full (see ``block`` and ``timeout``).
+        """
         if not isinstance(storage, Storage):
             raise TypeError(f"StorageQueue holds Storage handles, got {type(storage).__name__}")
         self._queue.put(storage, block, timeout)
@@ -73,6 +97,9 @@ class StorageQueue:
         """Put back handles taken and not used, to be taken again even after the stream ended.
 
         Consumers wait for them at the end of the stream as long as this process lives.
+
+        Args:
+            storages: The handles, as ``get`` returned them.
         """
         if not storages:
             return
@@ -109,8 +136,15 @@ class StorageQueue:
     def get(self, timeout: float | None = None) -> Storage | None:
         """The next handle, or ``None`` once the queue is closed and drained.
 
-        Raises ``queue.Empty`` after ``timeout`` seconds, and ``ProducerDiedError`` when the
-        queue is empty and a watched producer has died.
+        Args:
+            timeout: Seconds to wait for a handle; None waits as long as the stream is open.
+
+        Returns:
+            The next handle, or None once the queue is closed and drained.
+
+        Raises:
+            queue.Empty: No handle came within ``timeout`` seconds.
+            ProducerDiedError: The queue is empty and a watched producer has died.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -129,7 +163,9 @@ class StorageQueue:
                     raise ProducerDiedError(
                         f"producer process(es) {dead} died without closing the StorageQueue or leaving "
                         "queue.producer(); what they did not put is lost. Restart them, or close() the "
-                        "queue to end the stream", pids=dead) from None
+                        "queue to end the stream",
+                        producers=dead,
+                    ) from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 continue
@@ -139,7 +175,7 @@ class StorageQueue:
             if isinstance(item, _Returned):
                 self._took_back(item.pid)
                 return item.storage
-            return item
+            return cast(Storage, item)  # only Storage handles are put, besides the markers above
 
     def __iter__(self) -> Iterator[Storage]:
         while (item := self.get()) is not None:
@@ -147,7 +183,22 @@ class StorageQueue:
 
     @contextlib.contextmanager
     def producer(self) -> Iterator[StorageQueue]:
-        """Mark this process as a producer for as long as the block runs (see the class doc)."""
+        """Mark this process as a producer for as long as the block runs (see the class doc).
+
+        Yields:
+            This queue, to put handles into.
+
+        Raises:
+            RuntimeError: More than 256 producers are registered at once.
+
+        Examples:
+            >>> from torch_storage_loader import FileStorage, StorageQueue
+            >>> queue = StorageQueue()
+            >>> with queue.producer() as q:
+            ...     q.put(FileStorage("a.tsl"))
+            >>> queue.dead_producers()
+            []
+        """
         pid = os.getpid()
         with self._producers.get_lock():
             try:
@@ -162,6 +213,11 @@ class StorageQueue:
                 self._producers[slot] = 0
 
     def dead_producers(self) -> list[int]:
+        """Producers that died inside ``with queue.producer():``, without leaving it.
+
+        Returns:
+            Their process ids; empty while every registered producer lives.
+        """
         with self._producers.get_lock():
             pids = [p for p in self._producers[:] if p]
         return [pid for pid in pids if not pid_alive(pid)]

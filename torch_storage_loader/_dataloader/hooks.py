@@ -31,7 +31,8 @@ import inspect
 import logging
 import multiprocessing as mp
 import sys
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -42,12 +43,23 @@ from torch.utils.data._utils import fetch as _fetch
 from ..errors import PinThreadUnavailable, UnsupportedTorchError
 from .ledger import Ledger, LedgerRef
 
-__all__ = ["Tracked", "collate", "default_collate", "fetch_context", "gpu_sleep", "install", "loader_iterator",
-           "pin_thread_for", "pin_thread_unavailable", "register_collate", "shutdown_iterator"]
+__all__ = [
+    "Tracked",
+    "collate",
+    "default_collate",
+    "fetch_context",
+    "gpu_sleep",
+    "install",
+    "loader_iterator",
+    "pin_thread_for",
+    "pin_thread_unavailable",
+    "register_collate",
+    "shutdown_iterator",
+]
 
 logger = logging.getLogger("torch_storage_loader")
 
-NEEDS = "torch >= 2.7 (tested from 2.7.1), with torchdata >= 0.8 for StatefulDataLoader"
+NEEDS = "torch >= 2.7.1 (the lowest release the suite passed on), with torchdata >= 0.8"
 
 collate = _collate.collate
 default_collate = _collate.default_collate
@@ -78,8 +90,10 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 def _check(cls: type, name: str, want: str, ok: Callable[[list[inspect.Parameter]], bool]) -> Callable:
     fn = cls.__dict__.get(name) or getattr(cls, name, None)
     if not callable(fn):
-        raise UnsupportedTorchError(f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has no {name}; "
-                                    f"torch_storage_loader needs {NEEDS}")
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has no {name}; "
+            f"torch_storage_loader needs {NEEDS}"
+        )
     try:
         good = ok(_params(fn))
     except (TypeError, ValueError):
@@ -87,38 +101,54 @@ def _check(cls: type, name: str, want: str, ok: Callable[[list[inspect.Parameter
     if not good:
         raise UnsupportedTorchError(
             f"torch {torch.__version__}: {cls.__qualname__}.{name}{inspect.signature(fn)} is not {want}, which the "
-            f"delivery hooks wrap; torch_storage_loader needs {NEEDS}: install one (pip install 'torch>=2.7')")
+            f"delivery hooks wrap; torch_storage_loader needs {NEEDS}: install one (pip install 'torch>=2.7.1')"
+        )
     return fn
 
 
 def check_iterator(cls: type) -> None:
     """Raise ``UnsupportedTorchError`` unless ``cls`` has the methods the hooks wrap, as they are wrapped."""
+
     def positional(names: int) -> Callable[[list[inspect.Parameter]], bool]:
         return lambda ps: len(ps) >= names and all(p.kind in _POSITIONAL for p in ps[:names])
 
     _check(cls, "__init__", "(self, loader, ...)", positional(2))
-    _check(cls, "_reset", "(self, loader, first_iter=False, ...)",
-           lambda ps: positional(3)(ps) and ps[2].name == "first_iter")
+    _check(
+        cls,
+        "_reset",
+        "(self, loader, first_iter=False, ...)",
+        lambda ps: positional(3)(ps) and ps[2].name == "first_iter",
+    )
     _check(cls, "_process_data", "(self, data, worker_idx, ...)", positional(3))
     _check(cls, "_shutdown_workers", "(self)", lambda ps: len([p for p in ps if p.default is p.empty]) == 1)
     next_data = _check(cls, "_next_data", "(self)", positional(1))
     if "_shutdown_workers" not in getattr(next_data, "__code__", None).co_names:
-        raise UnsupportedTorchError(f"torch {torch.__version__}: {cls.__qualname__}._next_data no longer calls "
-                                    f"_shutdown_workers at the end of the data; torch_storage_loader needs {NEEDS}")
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: {cls.__qualname__}._next_data no longer calls "
+            f"_shutdown_workers at the end of the data; torch_storage_loader needs {NEEDS}"
+        )
 
 
 def _check_fetcher() -> None:
     base = getattr(_fetch, "_BaseDatasetFetcher", None)
     fetchers = [getattr(_fetch, n, None) for n in ("_IterableDatasetFetcher", "_MapDatasetFetcher")]
     if base is None or any(f is None or not issubclass(f, base) for f in fetchers):
-        raise UnsupportedTorchError(f"torch {torch.__version__}: torch.utils.data._utils.fetch lacks the dataset "
-                                    f"fetchers; torch_storage_loader needs {NEEDS}")
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: torch.utils.data._utils.fetch lacks the dataset "
+            f"fetchers; torch_storage_loader needs {NEEDS}"
+        )
     for f in fetchers:
-        _check(f, "fetch", "(self, possibly_batched_index)",
-               lambda ps: len(ps) == 2 and ps[1].name == "possibly_batched_index")
+        _check(
+            f,
+            "fetch",
+            "(self, possibly_batched_index)",
+            lambda ps: len(ps) == 2 and ps[1].name == "possibly_batched_index",
+        )
     if not isinstance(getattr(_collate, "default_collate_fn_map", None), dict):
-        raise UnsupportedTorchError(f"torch {torch.__version__}: torch.utils.data._utils.collate has no "
-                                    f"default_collate_fn_map; torch_storage_loader needs {NEEDS}")
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: torch.utils.data._utils.collate has no "
+            f"default_collate_fn_map; torch_storage_loader needs {NEEDS}"
+        )
 
 
 # ------------------------------------------------------------------------------ install
@@ -169,7 +199,7 @@ def _loader_device(loader: Any) -> Any:
 def _receive_ahead(loader: Any, device: Any) -> Any:
     """Around the creation of an iterator for ``device=``: its results are received (and their copies
     issued) on the DataLoader's pin-memory thread, ahead of the trainer, where the accelerator has one."""
-    from .. import _pinning
+    from .._shm import pinning as _pinning
 
     if device is None or not getattr(_pinning.accelerator(), "pin_thread", False):
         return contextlib.nullcontext()
@@ -220,7 +250,7 @@ def _hook(cls: type) -> None:
         out = process(self, data, worker_idx, *args, **kwargs)
         device = getattr(self, "_tsl_device", None)
         if device is not None:
-            from .._device import arrive
+            from .._shm.device import arrive
 
             out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
         return out
@@ -239,7 +269,11 @@ def _hook(cls: type) -> None:
                 ledger.close(exhausted)
 
     cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers = (
-        __init__, _reset, _process_data, _shutdown_workers)
+        __init__,
+        _reset,
+        _process_data,
+        _shutdown_workers,
+    )
     cls._tsl_delivery = True
 
 
@@ -279,7 +313,7 @@ def shutdown_iterator(loader: Any) -> None:
 
 
 class _PassThrough:
-    def pin_memory(self, *args: Any, **kwargs: Any) -> "_PassThrough":
+    def pin_memory(self, *args: Any, **kwargs: Any) -> _PassThrough:
         return self
 
 

@@ -34,6 +34,24 @@ TAKE, DROP = "take", "drop"
 MAX_UNCONFIRMED = 2
 
 
+class Entry(NamedTuple):
+    """One message of a worker's pipe: the worker took (``TAKE``) or settled itself (``DROP``: failed,
+    skipped) ``tokens`` for its DataLoader item ``item`` of its iterator ``incarnation``."""
+
+    kind: str
+    incarnation: int
+    item: int
+    tokens: list[Any]
+
+
+class ItemKey(NamedTuple):
+    """One DataLoader item of one worker, in one incarnation of its iterator."""
+
+    worker: int
+    incarnation: int
+    item: int
+
+
 class LedgerRef(NamedTuple):
     """What a dataset hands its DataLoader workers: the ledger's id and one pipe end per worker."""
 
@@ -52,13 +70,13 @@ class Ledger:
     def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False) -> None:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
-        self._unconfirmed: collections.deque = collections.deque()  # (worker, incarnation, item) yielded
+        self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
         self._eof: set[int] = set()  # readers whose workers are gone (closed only by close())
         self.writers: list[Any] = [w for _, w in pipes]
-        self._taken: dict[tuple[int, int, int], list] = {}  # (worker, incarnation, item) -> tokens
+        self._taken: dict[ItemKey, list[Any]] = {}  # -> the tokens taken for it
         self._yielded = [0] * num_workers
         self._incarnation = 0
         self._closed = False
@@ -85,7 +103,7 @@ class Ledger:
             try:
                 if self._step(next_keep):
                     return
-            except Exception:  # noqa: BLE001 - the thread must outlive whatever one round met
+            except Exception:
                 logger.exception("the tsl-ledger thread met an error; it goes on")
                 time.sleep(0.1)  # an error that repeats must not spin
             if self._keep_every and time.monotonic() >= next_keep:
@@ -109,12 +127,12 @@ class Ledger:
         if acks:
             try:
                 self.source.ack(acks)
-            except Exception as exc:  # not acknowledged: redelivered after claim_after, counted
+            except Exception as exc:  # noqa: BLE001 - not acknowledged: redelivered after claim_after, counted
                 logger.warning("could not acknowledge %d delivered handles: %s", len(acks), exc)
         if keep and held:
             try:
                 self.source.keep_alive(held)
-            except Exception as exc:  # the next round may get through
+            except Exception as exc:  # noqa: BLE001 - the next round may get through
                 logger.warning("could not keep %d delivered handles alive: %s", len(held), exc)
         return False
 
@@ -129,25 +147,25 @@ class Ledger:
                 self._eof.add(i)
 
     def _note(self, worker: int, msg: Any) -> None:
-        """Record one message of a worker's pipe; one that is not (kind, incarnation, item, tokens) is logged."""
-        if not (type(msg) is tuple and len(msg) == 4 and msg[0] in (TAKE, DROP) and type(msg[3]) is list):
+        """Record one message of a worker's pipe; one that is not an ``Entry`` is logged and ignored."""
+        if not (type(msg) in (Entry, tuple) and len(msg) == 4 and msg[0] in (TAKE, DROP) and type(msg[3]) is list):
             logger.warning("worker %d wrote a message that is not a ledger entry; ignored", worker)
             return
-        kind, inc, item, tokens = msg
-        entry = self._taken.setdefault((worker, inc, item), [])
-        if kind == TAKE:
-            entry.extend(tokens)
+        msg = Entry._make(msg)
+        taken = self._taken.setdefault(ItemKey(worker, msg.incarnation, msg.item), [])
+        if msg.kind == TAKE:
+            taken.extend(msg.tokens)
             return
-        for t in tokens:
-            if t in entry:
-                entry.remove(t)
+        for t in msg.tokens:
+            if t in taken:
+                taken.remove(t)
 
     def delivered(self, worker: int, ok: bool = True) -> None:
         """The iterator is handing worker ``worker``'s next item to the trainer (``ok``: not an exception)."""
         with self._lock:
             self._drain()
             self._yielded[worker] += 1
-            key = (worker, self._incarnation, self._yielded[worker] - 1)
+            key = ItemKey(worker, self._incarnation, self._yielded[worker] - 1)
             if not ok:  # the item is an exception: what it took never reaches the trainer
                 back = self._pop([key])
                 ack = []
@@ -159,8 +177,13 @@ class Ledger:
                 ack = self._pop([self._unconfirmed.popleft() for _ in range(len(self._unconfirmed) - MAX_UNCONFIRMED)])
             else:
                 back = []
-                ack = self._pop([k for k in self._taken if k[0] == worker and k[1] == self._incarnation
-                                 and k[2] < self._yielded[worker]])
+                ack = self._pop(
+                    [
+                        k
+                        for k in self._taken
+                        if k.worker == worker and k.incarnation == self._incarnation and k.item < self._yielded[worker]
+                    ]
+                )
         self._settle(ack, back)
 
     def consumed(self) -> None:
@@ -179,7 +202,7 @@ class Ledger:
             self._incarnation += 1
             self._yielded = [0] * len(self._yielded)
             self._unconfirmed.clear()
-            back = self._pop([k for k in self._taken if k[1] < self._incarnation])
+            back = self._pop([k for k in self._taken if k.incarnation < self._incarnation])
         self._settle([], back)
 
     def close(self, exhausted: bool = False) -> None:
@@ -201,15 +224,20 @@ class Ledger:
                 back = self._pop(list(self._taken))
             try:
                 self._settle(ack, back, now=True)
-            except Exception as exc:  # often from __del__: say it, never raise it there
-                logger.warning("could not settle %d delivered and %d undelivered handles when the DataLoader "
-                               "stopped (they are delivered again once claimed): %s", len(ack), len(back), exc)
+            except Exception as exc:  # noqa: BLE001 - often from __del__: say it, never raise it there
+                logger.warning(
+                    "could not settle %d delivered and %d undelivered handles when the DataLoader "
+                    "stopped (they are delivered again once claimed): %s",
+                    len(ack),
+                    len(back),
+                    exc,
+                )
         finally:
             for r in self._readers:
                 r.close()
             self._eof = set(range(len(self._readers)))
 
-    def _pop(self, keys: list) -> list:
+    def _pop(self, keys: list[ItemKey]) -> list[Any]:
         return [t for k in keys for t in self._taken.pop(k, ())]
 
     def _settle(self, ack: list, back: list, now: bool = False) -> None:
@@ -240,7 +268,7 @@ class LedgerWriter:
         self.incarnation += 1
 
     def took(self, item: int, tokens: list) -> None:
-        self._conn.send((TAKE, self.incarnation, item, tokens))
+        self._conn.send(Entry(TAKE, self.incarnation, item, tokens))
 
     def dropped(self, item: int, tokens: list) -> None:
-        self._conn.send((DROP, self.incarnation, item, tokens))
+        self._conn.send(Entry(DROP, self.incarnation, item, tokens))

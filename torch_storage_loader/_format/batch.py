@@ -1,0 +1,105 @@
+"""Stacking samples of one structure into one buffer: leaf ``i`` of sample ``j`` lands at
+``base_i + j * nbytes_i``, so each leaf of the batch is one contiguous array with a leading batch
+dimension, read straight from the files with one scatter ``preadv`` per sample.
+"""
+
+from __future__ import annotations
+
+from ..errors import SampleMismatchError
+from .file import BYTE_KINDS, ArrayEntry, Header, align
+from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, kind_name, leaf_paths, spec_key
+
+__all__ = ["file_iovecs", "plan"]
+
+
+def _show_path(path: tuple) -> str:
+    """``('obs', 0)`` -> ``"['obs'][0]"``; long keys and deep paths are cut (they come from files)."""
+    shown = "".join(f"[{_short(repr(k), 40)}]" for k in path[:12])
+    return (shown + ("[...]" if len(path) > 12 else "")) or "<root>"
+
+
+def _short(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
+    """One spec for the batch; inline scalars that vary become a ``["v", [node, ...]]`` list.
+
+    ``path`` is a tuple of keys, formatted only for an error: building a string per node would
+    cost the depth times the keys' length at every level."""
+    first = specs[0]
+    tag = first[0]
+    if tag in SCALARS and all(s[0] in SCALARS for s in specs):
+        return ["v", specs]
+    for j, s in enumerate(specs[1:], 1):
+        if s[0] != tag:
+            raise _mismatch(path, names[0], names[j], f"a {kind_name(first)}", f"a {kind_name(s)}")
+    if tag == ARRAY:
+        return first
+    if tag in MAPPINGS:
+        for j, s in enumerate(specs[1:], 1):
+            if s[1] != first[1]:
+                raise _mismatch(
+                    path, names[0], names[j], f"keys {_short(repr(first[1]))}", f"keys {_short(repr(s[1]))}"
+                )
+        return [
+            tag,
+            first[1],
+            [_merge([s[2][i] for s in specs], (*path, spec_key(k)), names) for i, k in enumerate(first[1])],
+        ]
+    if tag in SEQUENCES:
+        for j, s in enumerate(specs[1:], 1):
+            if len(s[1]) != len(first[1]):
+                raise _mismatch(path, names[0], names[j], f"length {len(first[1])}", f"length {len(s[1])}")
+        return [tag, [_merge([s[1][i] for s in specs], path + (i,), names) for i in range(len(first[1]))]]
+    raise ValueError("unknown tree node tag")
+
+
+def _mismatch(path: tuple, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
+    shown = _show_path(path)
+    return SampleMismatchError(
+        f"cannot stack the batch: at {shown} {name_a} has {a} but {name_b} has {b}; "
+        "pass collate_fn= to combine samples whose shapes differ (or batch_size=None)",
+        key_path=shown,
+    )
+
+
+def plan(headers: list[Header], names: list[str]) -> Header:
+    """The stacked header of a batch; raises ``SampleMismatchError`` naming the key path."""
+    first = headers[0]
+    spec = _merge([h.spec for h in headers], (), names)
+    k = len(headers)
+    arrays, offset = [], 0
+    for i, e in enumerate(first.arrays):
+        for j, h in enumerate(headers[1:], 1):
+            o = h.arrays[i]
+            if (o.kind, o.dtype, o.shape) != (e.kind, e.dtype, e.shape):
+                raise _mismatch(
+                    leaf_paths(first.spec)[i],
+                    names[0],
+                    names[j],
+                    _short(f"{e.dtype} {list(e.shape)}"),
+                    _short(f"{o.dtype} {list(o.shape)}"),
+                )
+        if e.kind in BYTE_KINDS:
+            shown = _show_path(leaf_paths(first.spec)[i])
+            raise SampleMismatchError(
+                f"cannot stack the {e.kind} leaf at {shown}; pass collate_fn= to batch such samples", key_path=shown
+            )
+        arrays.append(
+            ArrayEntry("numpy" if e.kind == "numpy_scalar" else e.kind, e.dtype, (k, *e.shape), offset, k * e.nbytes)
+        )
+        offset = align(offset + k * e.nbytes)
+    return Header(spec, tuple(arrays), 0, offset)
+
+
+def file_iovecs(sample: Header, batch: Header, j: int, target: memoryview, scratch: memoryview) -> list:
+    """Buffers for one ``preadv`` of sample ``j``'s data section: its leaves land at their batch place."""
+    views, pos = [], 0
+    for e, b in zip(sample.arrays, batch.arrays):
+        if e.offset > pos:
+            views.append(scratch[: e.offset - pos])
+        start = b.offset + j * e.nbytes
+        views.append(target[start : start + e.nbytes])
+        pos = e.offset + e.nbytes
+    return views

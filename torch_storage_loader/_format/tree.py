@@ -1,0 +1,452 @@
+"""Flatten a sample into a JSON-safe tree spec plus a list of array leaves, and back.
+
+The spec must be stored in a file that is read without unpickling, so it is plain JSON (lists,
+strings, numbers) rather than a pytree library's opaque spec object (its grammar: ``spec``).
+
+Size: a little over 400 lines, because encoding and building are one mapping read in both
+directions (each container and leaf kind has its writer and its builder side by side).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
+from .file import DEFAULT_READ, TORCH_ITEMSIZE, Header, ReadOptions
+from .limits import INLINE_INT_BOUND, MAX_TREE_DEPTH
+from .spec import spec_key
+
+_LITTLE = np.little_endian
+
+__all__ = ["Leaf", "Plan", "build", "encode", "format_path", "plan_for", "to_tensors"]
+
+# numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
+_NUMPY_KINDS = frozenset("biufcmMUS")
+# Dense torch dtypes with whole-byte elements that this torch has (older releases lack some float8s).
+_TORCH_DTYPES = {name: getattr(torch, name) for name in TORCH_ITEMSIZE if hasattr(torch, name)}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array-like leaf: what to write, and what it becomes when read back."""
+
+    kind: str  # numpy | numpy_scalar | torch | bytes | pickle
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # 1-D uint8, C-contiguous, little-endian element bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def format_path(path: tuple) -> str:
+    """``('obs', 0)`` -> ``"['obs'][0]"``; the root is ``"<root>"``."""
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+@functools.cache
+def _treetensor_types() -> dict[type, str]:
+    # treetensor warns at import about numpy/torch internals it uses; that is not the user's to fix.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        import treetensor.numpy as tnp
+        import treetensor.torch as ttorch
+
+    return {ttorch.Tensor: "tt", tnp.ndarray: "tn"}
+
+
+def _numpy_leaf(arr: np.ndarray, kind: str, path: tuple) -> Leaf:
+    if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.fields is not None:
+        raise UnsupportedLeafError(
+            f"numpy array at {format_path(path)} has dtype {arr.dtype!r}, which cannot be stored "
+            "as raw bytes; convert it to a numeric dtype, or pass allow_pickle=True",
+            key_path=format_path(path),
+        )
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return Leaf(kind, arr.dtype.str, tuple(arr.shape), data)
+
+
+def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise UnsupportedLeafError(
+            f"tensor at {format_path(path)} has layout {t.layout} on {t.device}; only dense tensors "
+            "are stored: call .to_dense() first, or pass allow_pickle=True",
+            key_path=format_path(path),
+        )
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise UnsupportedLeafError(
+            f"tensor at {format_path(path)} has dtype {t.dtype}, which cannot be stored as raw bytes",
+            key_path=format_path(path),
+        )
+    t = t.detach()
+    if t.device.type != "cpu" or t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
+    flat = t.reshape(-1)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+    return Leaf("torch", name, tuple(t.shape), data)
+
+
+_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple)
+
+
+def _keys(mapping, path: tuple) -> list:
+    keys = []
+    for k in mapping:
+        if type(k) is str:
+            keys.append(k)
+        elif type(k) is int and -INLINE_INT_BOUND < k < INLINE_INT_BOUND:
+            keys.append(["int", k])
+        else:
+            raise UnsupportedLeafError(
+                f"dict at {format_path(path)} has key {k!r} of type {type(k).__name__}; "
+                "keys must be str or int (or pass allow_pickle=True)",
+                key_path=format_path(path),
+            )
+    return keys
+
+
+class _Encoder:
+    # A class rather than nested recursive closures: those form reference cycles that would keep
+    # every array alive until the cyclic garbage collector runs.
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self.tree_types = _treetensor_types()
+
+    def add(self, leaf: Leaf) -> list:
+        self.leaves.append(leaf)
+        return ["a", len(self.leaves) - 1]
+
+    def walk(self, x: Any, path: tuple) -> list:
+        tx = type(x)
+        if len(path) >= MAX_TREE_DEPTH and (tx in _CONTAINER_TYPES or tx in self.tree_types):
+            raise UnsupportedLeafError(
+                f"the sample nests containers over {MAX_TREE_DEPTH} levels deep at {format_path(path[:3])}...; "
+                "readers refuse deeper trees (is it a cycle?): flatten it, or store the inner part as bytes",
+                key_path=format_path(path),
+            )
+        if tx is dict or tx is collections.OrderedDict:
+            return ["d" if tx is dict else "od", _keys(x, path), [self.walk(v, path + (k,)) for k, v in x.items()]]
+        if tx is list or tx is tuple:
+            return ["l" if tx is list else "t", [self.walk(v, path + (i,)) for i, v in enumerate(x)]]
+        if tx in self.tree_types:
+            items = list(x.items())
+            return [self.tree_types[tx], [k for k, _ in items], [self.walk(v, path + (k,)) for k, v in items]]
+        if tx is np.ndarray:
+            return self.add(_numpy_leaf(x, "numpy", path))
+        if tx is torch.Tensor or tx is torch.nn.Parameter:
+            return self.add(_torch_leaf(x, path))
+        if isinstance(x, np.generic) and not isinstance(x, np.object_):
+            return self.add(_numpy_leaf(np.asarray(x), "numpy_scalar", path))
+        if x is None:
+            return ["n"]
+        if tx is bool:
+            return ["b", x]
+        if tx is int:
+            if not -INLINE_INT_BOUND < x < INLINE_INT_BOUND:
+                raise UnsupportedLeafError(
+                    f"int at {format_path(path)} is over 10**30 in magnitude, more than readers accept inline; "
+                    "store it as a str (or pass allow_pickle=True)",
+                    key_path=format_path(path),
+                )
+            return ["i", x]
+        if tx is float:
+            return ["f", x.hex()]
+        if tx is complex:
+            return ["c", x.real.hex(), x.imag.hex()]
+        if tx is str:
+            return ["s", x]
+        if tx is bytes or tx is bytearray:
+            return self.add(Leaf("bytes" if tx is bytes else "bytearray", "|u1", (len(x),), np.frombuffer(x, np.uint8)))
+        if self.allow_pickle:
+            blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+            return self.add(Leaf("pickle", "|u1", (len(blob),), np.frombuffer(blob, np.uint8)))
+        raise UnsupportedLeafError(
+            f"value at {format_path(path)} of type {tx.__module__}.{tx.__qualname__} cannot be stored "
+            "without pickle; store arrays, tensors, scalars, str, bytes, None in dict/list/tuple, "
+            "or pass allow_pickle=True if you trust every reader",
+            key_path=format_path(path),
+        )
+
+
+def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[list, list[Leaf]]:
+    """Split ``obj`` into a JSON-safe spec and its array leaves (in depth-first order)."""
+    encoder = _Encoder(allow_pickle)
+    return encoder.walk(obj, ()), encoder.leaves
+
+
+@functools.lru_cache(maxsize=256)
+def _numpy_dtype(dtype_str: str) -> tuple[np.dtype, bool]:
+    dtype = np.dtype(dtype_str)
+    return dtype, dtype.kind in "biufc" and dtype.isnative
+
+
+def _numpy_to_tensor(arr: np.ndarray) -> Any:
+    # As DataLoader's default_convert does: numeric arrays become tensors sharing their memory.
+    if arr.dtype.kind in "biufc" and arr.dtype.isnative:
+        return torch.from_numpy(arr)
+    return arr
+
+
+# Torch dtypes that numpy has too: their leaves are made as numpy views, then one from_numpy
+# (cheaper than from_numpy + view + reshape on the tensor).
+_TORCH_AS_NUMPY = {
+    name: np.dtype(name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+    if name in _TORCH_DTYPES
+}
+
+# Leaf recipes (codes) and tree node codes of a Plan.
+_L_TENSOR, _L_ARRAY, _L_TORCH, _L_TORCH_EMPTY, _L_SCALAR, _L_BYTES, _L_BYTEARRAY, _L_PICKLE = range(8)
+_N_DICT, _N_DICT_OF_LEAVES, _N_LIST, _N_TUPLE, _N_CONST, _N_VALUES, _N_ODICT, _N_TREE = range(8)
+
+
+class Plan:
+    """How to rebuild the samples of one header: the per-leaf recipe and the compiled tree.
+
+    Consecutive samples share their structure, so receivers keep plans (``plan_for``) and pay
+    for decoding the header's spec once; ``build`` then makes one view per leaf and the tree.
+    """
+
+    __slots__ = ("error", "header", "leaves", "opts", "tree")
+
+    def __init__(self, header: Header, opts: ReadOptions = DEFAULT_READ) -> None:
+        self.header, self.opts = header, opts
+        self.leaves: list[tuple] = []
+        self.tree: Any = None
+        self.error: str | None = None
+        try:
+            self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
+            self.tree = self._node(header.spec)
+        except Exception as exc:  # noqa: BLE001 - headers are validated where read; this is a backstop
+            self.error = type(exc).__name__
+
+    def _leaf(self, i: int, kind: str, dtype_str: str, shape: tuple, offset: int, nbytes: int) -> tuple:
+        shape, end = tuple(shape), offset + nbytes
+        if kind == "numpy":
+            dtype, tensorable = _numpy_dtype(dtype_str)
+            return (_L_TENSOR if self.opts.as_tensors and tensorable else _L_ARRAY), offset, end, dtype, shape
+        if kind == "torch":
+            if not nbytes:
+                return _L_TORCH_EMPTY, offset, end, _TORCH_DTYPES[dtype_str], shape
+            if dtype_str in _TORCH_AS_NUMPY:
+                return _L_TENSOR, offset, end, _TORCH_AS_NUMPY[dtype_str], shape
+            return _L_TORCH, offset, end, _TORCH_DTYPES[dtype_str], shape
+        if kind == "numpy_scalar":
+            return _L_SCALAR, offset, end, np.dtype(dtype_str), shape
+        if kind == "bytes":
+            return _L_BYTES, offset, end, None, shape
+        if kind == "bytearray":
+            return _L_BYTEARRAY, offset, end, None, shape
+        return _L_PICKLE, offset, end, i, shape
+
+    def _node(self, node: list) -> Any:
+        tag = node[0]
+        if tag == "a":
+            i = node[1]
+            if type(i) is not int or not 0 <= i < len(self.leaves):
+                raise IndexError("array leaf out of range")
+            return i  # a leaf: an index into the sample's leaves
+        if tag == "d" or tag == "od":
+            keys = tuple(spec_key(k) for k in node[1])
+            children = tuple(self._node(v) for v in node[2])
+            n = min(len(keys), len(children))
+            keys, children = keys[:n], children[:n]
+            if tag == "d" and all(type(c) is int for c in children):
+                return _N_DICT_OF_LEAVES, keys, children
+            return (_N_DICT if tag == "d" else _N_ODICT), keys, children
+        if tag == "l" or tag == "t":
+            return (_N_LIST if tag == "l" else _N_TUPLE), tuple(self._node(v) for v in node[1])
+        if tag == "n":
+            return _N_CONST, None
+        if tag in ("b", "i", "s"):
+            return _N_CONST, node[1]
+        if tag == "f":
+            return _N_CONST, float.fromhex(node[1])
+        if tag == "c":
+            return _N_CONST, complex(float.fromhex(node[1]), float.fromhex(node[2]))
+        if tag == "v":  # one inline scalar per sample of a stacked batch
+            return _N_VALUES, tuple(self._node(v) for v in node[1])
+        if tag in ("tt", "tn"):
+            children = tuple(self._node(v) for v in node[2])
+            want = "tt" if self.opts.as_tensors and self._all_tensors(children) else tag
+            tree_type = next(t for t, name in _treetensor_types().items() if name == want)
+            return _N_TREE, tree_type, tuple(node[1]), children
+        raise ValueError("unknown tree node tag")
+
+    def _all_tensors(self, children: tuple) -> bool:
+        """Whether a tree's leaves all become tensors (a numpy tree of strings stays a numpy tree)."""
+        for c in children:
+            if type(c) is int:
+                if self.leaves[c][0] not in (_L_TENSOR, _L_TORCH, _L_TORCH_EMPTY):
+                    return False
+            elif not self._all_tensors(c[3]):
+                return False
+        return True
+
+    def build(self, u8: np.ndarray, path: str = "") -> Any:
+        """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it)."""
+        if self.error is not None:
+            raise _damaged(path, self.error)
+        leaves: list[Any] = []
+        add = leaves.append
+        try:
+            for code, start, end, a, shape in self.leaves:
+                if code == _L_TENSOR:
+                    add(torch.from_numpy(u8[start:end].view(a).reshape(shape)))
+                elif code == _L_ARRAY:
+                    add(u8[start:end].view(a).reshape(shape))
+                else:
+                    add(self._other_leaf(u8, code, start, end, a, shape, path))
+            tree = self.tree
+            if type(tree) is int:
+                return leaves[tree]
+            if tree[0] == _N_DICT_OF_LEAVES:
+                return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
+            return self._walk(tree, leaves)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
+            raise _damaged(path, type(exc).__name__) from None
+
+    def _other_leaf(self, u8: np.ndarray, code: int, start: int, end: int, a: Any, shape: tuple, path: str) -> Any:
+        raw = u8[start:end]
+        if code == _L_TORCH:
+            return torch.from_numpy(raw).view(a).reshape(shape)
+        if code == _L_TORCH_EMPTY:
+            return torch.empty(shape, dtype=a)
+        if code == _L_SCALAR:
+            value = raw.view(a).reshape(())[()]
+            return _numpy_to_tensor(np.asarray(value)) if self.opts.as_tensors else value
+        if code == _L_BYTES:
+            return raw.tobytes()
+        if code == _L_BYTEARRAY:
+            return bytearray(raw)
+        if not self.opts.allow_pickle:
+            raise PickleNotAllowedError(
+                f"{path}: holds a pickled value (leaf {a}); loading it would run code from the file. "
+                "Pass allow_pickle=True only if you trust whoever wrote it",
+                path=path,
+            )
+        return pickle.loads(raw.data)
+
+    def _walk(self, node: Any, leaves: list) -> Any:
+        if type(node) is int:
+            return leaves[node]
+        code = node[0]
+        if code == _N_DICT_OF_LEAVES:
+            return {k: leaves[i] for k, i in zip(node[1], node[2])}
+        if code == _N_DICT:
+            return {k: self._walk(v, leaves) for k, v in zip(node[1], node[2])}
+        if code == _N_LIST:
+            return [self._walk(v, leaves) for v in node[1]]
+        if code == _N_TUPLE:
+            return tuple(self._walk(v, leaves) for v in node[1])
+        if code == _N_CONST:
+            return node[1]
+        if code == _N_VALUES:
+            values = [self._walk(v, leaves) for v in node[1]]
+            kinds = {type(v) for v in values}
+            if self.opts.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
+                return torch.tensor(values)
+            return values
+        if code == _N_ODICT:
+            return collections.OrderedDict((k, self._walk(v, leaves)) for k, v in zip(node[1], node[2]))
+        return node[1]({k: self._walk(v, leaves) for k, v in zip(node[2], node[3])})
+
+
+def _damaged(path: str, why: str) -> StorageCorruptError:
+    return StorageCorruptError(
+        f"{path}: tree in header is damaged ({why}); delete the file or save the sample again", path=path
+    )
+
+
+_plans: dict[bytes, Plan] = {}
+_MAX_PLANS = 256
+_MAX_PLAN_KEY = 256 << 10  # larger headers are decoded each time, never kept
+_MAX_PLAN_BYTES = 16 << 20  # all cached keys together
+_plan_bytes = 0
+
+
+def plan_for(key: bytes) -> Plan:
+    """The plan of a ``_shm.refs.plan_key``: decoded once per distinct header (and options) in this process.
+
+    Keyed by the key's bytes themselves, so nothing depends on which worker, ring or process
+    sent it. The cache is bounded by count (``_MAX_PLANS``) and by size (``_MAX_PLAN_BYTES`` of keys;
+    a header over ``_MAX_PLAN_KEY`` is never kept): when full, all are dropped (headers that keep
+    changing cost what they cost without a cache).
+    """
+    global _plan_bytes
+    plan = _plans.get(key)
+    if plan is None:
+        plan = Plan(*pickle.loads(key))
+        if len(key) > _MAX_PLAN_KEY:
+            return plan
+        if len(_plans) >= _MAX_PLANS or _plan_bytes + len(key) > _MAX_PLAN_BYTES:
+            _plans.clear()
+            _plan_bytes = 0
+        _plans[key] = plan
+        _plan_bytes += len(key)
+    return plan
+
+
+def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = "") -> Any:
+    """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
+
+    ``buf`` must be writable (a bytearray, an mmap, a ctypes array, a uint8 array): the views
+    keep it alive.
+    """
+    u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
+    return Plan(header, opts).build(u8, path)
+
+
+class _ToTensors:
+    def __init__(self) -> None:
+        self.tree_types = _treetensor_types()
+
+    def walk(self, x: Any) -> Any:
+        tx = type(x)
+        if tx is dict or tx is collections.OrderedDict:
+            return tx((k, self.walk(v)) for k, v in x.items())
+        if tx is list:
+            return [self.walk(v) for v in x]
+        if tx is tuple:
+            return tuple(self.walk(v) for v in x)
+        if tx is np.ndarray:
+            return _numpy_to_tensor(x)
+        if isinstance(x, np.generic):
+            return _numpy_to_tensor(np.asarray(x))
+        if self.tree_types.get(tx) == "tn":
+            ttorch_type = next(t for t, name in self.tree_types.items() if name == "tt")
+            return ttorch_type({k: self.walk(v) for k, v in x.items()})
+        return x
+
+
+def to_tensors(obj: Any) -> Any:
+    """Numeric numpy leaves to tensors (sharing memory), treetensor numpy trees to torch trees."""
+    return _ToTensors().walk(obj)

@@ -1,0 +1,1 @@
+"""Redis helpers for RedisStorageQueue: connection and retries."""

@@ -1,0 +1,276 @@
+"""The small references that stand for a filled slot (or a segment, or bytes), and receiving them.
+
+A worker sends a ``SlotRef`` (ring id, slot, generation, the plan key of its header); unpickling it
+in the receiver maps the ring (``slots``) once and returns the sample as views onto the slot, leased
+until every view is gone (then ``_release`` frees the slot in the ring's control block). A sample
+no slot could take travels as a ``OneOffRef`` (a segment of its own) or, small, as ``BytesRef``.
+References whose options name a ``device`` are received as samples on that device (``device``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._format.file import Header, ReadOptions
+from ..errors import ShmTransportError
+from .segments import ShmSegment
+from .slots import _RECEIVED, _STATES, CTRL, _MappedRing, _registry
+
+__all__ = ["BytesRef", "OneOffRef", "SlotRef", "plan_key"]
+
+
+def _private(nbytes: int) -> np.ndarray:
+    """Private memory for a copied-out sample. Large buffers come from torch's allocator: numpy
+    asks for transparent huge pages there, and compacting memory for them at every fault made
+    fresh buffers three times slower to fill (0.5 against 1.4 GB/s on these machines)."""
+    if nbytes < 1 << 22:
+        return np.empty(nbytes, np.uint8)
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8).numpy()
+
+
+def plan_key(header: Header, opts: ReadOptions) -> bytes:
+    """What a reference carries instead of its header: the receiver's key for a cached build plan
+    (``_tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
+    sent it; pickling it here keeps torch out of the workers. Workers reuse one header object per
+    layout (``_worker._Layout``), so its key is made once, not per sample."""
+    hit = _plan_keys.get(id(header))
+    if hit is not None and hit[0] is header and hit[1] == opts:
+        return hit[2]
+    key = pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(_plan_keys) >= _MAX_PLAN_KEYS:
+        _plan_keys.clear()
+    _plan_keys[id(header)] = (header, opts, key)  # the header is kept: its id stays its own
+    return key
+
+
+_plan_keys: dict[int, tuple[Header, ReadOptions, bytes]] = {}
+_MAX_PLAN_KEYS = 64
+
+
+def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
+    """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views.
+
+    A pinned ring's slot may still be read by a copy queued on the GPU: it is freed once the GPU
+    is past what the current stream has queued (``_pinning.defer``)."""
+    if os.getpid() != pid:
+        return
+    if ring.pin:
+        from . import pinning as _pinning
+
+        _pinning.defer(functools.partial(_free, ring, slot, generation))
+    else:
+        _free(ring, slot, generation)
+
+
+def _free(ring: _MappedRing, slot: int, generation: int) -> None:
+    reg = _registry
+    with reg.lock:
+        w = ring.words
+        if w[_STATES + slot] == generation:
+            w[_STATES + slot] = 0
+        ring.leases -= 1
+        if ring.leases == 0:
+            if ring.forgotten:
+                ring.close()
+            elif ring.finished():
+                reg.forget(ring)
+
+
+def _free_after(ring: _MappedRing, slot: int, generation: int, event: Any) -> None:
+    """``_device.deliver``'s release: free the slot once ``event`` (after the copy) completed."""
+    if event is None:
+        _free(ring, slot, generation)
+    else:
+        from . import pinning as _pinning
+
+        _pinning.defer(functools.partial(_free, ring, slot, generation), event)
+
+
+def _pin(ring: _MappedRing) -> bool | None:
+    from . import pinning as _pinning
+
+    return _pinning.pin(ring)
+
+
+@dataclass
+class SlotRef:
+    """Stands for a filled slot; unpickles (in the receiver) into the sample itself.
+
+    ``copy``: the worker is short of free slots (the consumer keeps what it gets), so the
+    receiver copies the sample into private memory and frees the slot at once.
+    """
+
+    ring_uid: str
+    slot: int
+    generation: int
+    slot_size: int
+    header: Header
+    path: str
+    opts: ReadOptions
+    segment: ShmSegment | None = None
+    copy: bool = False
+    watch: bool = False
+
+    def __reduce__(self):
+        # The header travels as a plan key: the receiver decodes each distinct header once.
+        return _receive_slot, (
+            self.ring_uid,
+            self.slot,
+            self.generation,
+            self.slot_size,
+            plan_key(self.header, self.opts),
+            self.path,
+            self.segment,
+            os.getpid(),
+            self.copy,
+            self.watch,
+        )
+
+
+def _receive_slot(
+    ring_uid: str,
+    slot: int,
+    generation: int,
+    slot_size: int,
+    key: bytes,
+    path: str,
+    segment: ShmSegment | None,
+    pid: int,
+    copy: bool = False,
+    watch: bool = False,
+) -> Any:
+    from .._format.tree import plan_for
+
+    plan = plan_for(key)
+    size = plan.header.data_size
+    device = plan.opts.device
+    reg = _registry
+    with reg.lock:
+        ring = reg.rings.get(ring_uid)
+        if ring is None:
+            if segment is None:
+                raise ShmTransportError(
+                    f"shared-memory ring {ring_uid} of process {pid} is not mapped in this process (its "
+                    "worker exited, or the reference was sent to another process than the loader's)",
+                    ring=ring_uid,
+                    pid=pid,
+                )
+            ring = reg.rings[ring_uid] = _MappedRing(ring_uid, segment, slot_size, pid)
+            if watch:
+                reg.watch(pid)
+        ring.words[_RECEIVED] += 1
+        if ring.pin is None:
+            ring.pin = _pin(ring)
+        start = CTRL + slot * ring.slot_size
+        if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
+            ring.leases += 1
+            host = np.frombuffer(ring.mm, np.uint8, size, start)
+        elif copy:
+            buf = _private(size)
+            np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
+            if ring.words[_STATES + slot] == generation:
+                ring.words[_STATES + slot] = 0
+            if ring.finished():
+                reg.forget(ring)
+        else:
+            # The lease anchor is the array that exports the slot's bytes: every leaf is a view
+            # whose base is this array (numpy collapses view chains onto it; torch.from_numpy keeps
+            # the array it was given), while intermediate memoryviews may be dropped early.
+            buf = np.frombuffer(ring.mm, np.uint8, size, start)
+            ring.leases += 1
+            weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
+    if device is not None:
+        from .device import deliver
+
+        return deliver(plan, host, path, device, functools.partial(_free_after, ring, slot, generation))
+    return plan.build(buf, path)
+
+
+@dataclass
+class BytesRef:
+    """The data section travels through the pipe (empty samples)."""
+
+    header: Header
+    data: bytearray
+    path: str
+    opts: ReadOptions
+
+    def __reduce__(self):
+        return _receive_bytes, (plan_key(self.header, self.opts), self.data, self.path)
+
+
+def _receive_bytes(key: bytes, data: bytearray, path: str) -> Any:
+    from .._format.tree import plan_for
+
+    plan = plan_for(key)
+    if plan.opts.device is not None:
+        from .device import deliver
+
+        return deliver(plan, np.frombuffer(data, np.uint8), path, plan.opts.device, _nothing_to_free)
+    return plan.build(np.frombuffer(data, np.uint8), path)
+
+
+def _nothing_to_free(event: Any) -> None:
+    return None
+
+
+@dataclass
+class OneOffRef:
+    """A segment of its own: an outlier far above the slot size, or no slot free at all.
+
+    With ``copy`` the receiver copies the sample into private memory and unmaps the segment at
+    once, so keeping many such samples costs no mapping each; without, the sample's views keep
+    the segment (one mapping) alive until dropped.
+    """
+
+    header: Header
+    segment: ShmSegment
+    path: str
+    opts: ReadOptions
+    copy: bool = False
+
+    def __reduce__(self):
+        return _receive_oneoff, (plan_key(self.header, self.opts), self.segment, self.path, self.copy)
+
+
+def _receive_oneoff(key: bytes, segment: ShmSegment, path: str, copy: bool = False) -> Any:
+    from .._format.tree import plan_for
+
+    plan = plan_for(key)
+    size = plan.header.data_size
+    if plan.opts.device is not None:
+        from .device import deliver
+
+        return deliver(
+            plan,
+            np.frombuffer(segment.mm, np.uint8, size),
+            path,
+            plan.opts.device,
+            functools.partial(_close_after, segment),
+        )
+    if copy:
+        buf = _private(size)
+        np.copyto(buf, np.frombuffer(segment.mm, np.uint8, size))
+        segment.close()
+    else:
+        buf = np.frombuffer(segment.mm, np.uint8, size)  # its leaves keep the mapping alive
+    return plan.build(buf, path)
+
+
+def _close_after(segment: ShmSegment, event: Any) -> None:
+    """Unmap a one-off segment once the copy reading it is done."""
+    if event is None:
+        segment.close()
+    else:
+        from . import pinning as _pinning
+
+        _pinning.defer(segment.close, event)

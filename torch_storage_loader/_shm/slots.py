@@ -1,0 +1,286 @@
+"""Rings of shared-memory slots and their lifetimes (the references that stand for a filled slot: ``refs``).
+
+A worker owns its rings: it creates them, fills a free slot, and sends a ``SlotRef`` (ring id,
+slot, generation, header). Unpickling a ``SlotRef`` in the receiving process maps the ring (its
+descriptor travels with the first reference only) and returns the sample as views onto the slot.
+The slot stays leased until every view is gone; then the receiver marks it free in the ring's
+control block, which the worker reads before reusing it. No array bytes cross a pipe.
+
+Lifetimes. A ring's control block holds its identity (checked by every process that maps it), a
+"retired" flag with the number of references the worker sent naming it, and the number the
+receiver got. A worker retires a ring (when samples grow, shrink, or it stops) instead of closing
+it; it unmaps it only once every reference it sent was received and every slot is free, and a
+receiver forgets it under the same condition. So no reference can outlive its ring, and a kept
+sample pins its own slot only: the free slots of a retired ring are given back to the kernel.
+Receivers also forget the rings of a worker process that has exited (``watch=True`` references:
+DataLoader workers, which nobody else supervises).
+
+In a receiver that uses CUDA, each ring is page-locked in place once (``_pinning``), so that its
+slots cross to the GPU at link speed, and unregistered before it is unmapped; a slot of a pinned
+ring goes back to its worker only once the GPU is past the work queued before its release.
+References whose options name a ``device`` are received as samples on that device (``_device``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import selectors
+import threading
+import uuid
+
+import numpy as np
+
+from .._workers.proc import pid_alive
+from ..errors import ShmTransportError
+from .segments import ShmSegment
+
+__all__ = ["CTRL", "MAX_SLOTS", "SlotRing", "page_round", "retire_rings"]
+
+PAGE = mmap.PAGESIZE
+CTRL = 4096  # control block: identity and lifetime words, then one int64 state word per slot
+_UID, _RETIRED, _SENT, _RECEIVED, _STATES = 0, 2, 3, 4, 8  # word offsets (the uid takes two words)
+MAX_SLOTS = CTRL // 8 - _STATES
+_REMOVE = getattr(mmap, "MADV_REMOVE", None)
+
+
+def page_round(n: int) -> int:
+    return max(PAGE, -(-n // PAGE) * PAGE)
+
+
+class SlotRing:
+    """Worker side: ``n_slots`` slots of ``slot_size`` bytes in one segment."""
+
+    def __init__(self, n_slots: int, slot_size: int, *, purpose: str = "a shared-memory slot ring") -> None:
+        if not 1 <= n_slots <= MAX_SLOTS:
+            raise ValueError(f"{n_slots=} must be between 1 and {MAX_SLOTS}")
+        self.uid = uuid.uuid4().hex
+        self.n_slots = n_slots
+        self.slot_size = page_round(slot_size)
+        self.segment = ShmSegment(CTRL + n_slots * self.slot_size, purpose=purpose)
+        self.segment.mm[:16] = bytes.fromhex(self.uid)
+        self._words = memoryview(self.segment.mm)[:CTRL].cast("q")
+        self._next = 0
+        self._generation = 0
+        self._trimmed: set[int] = set()
+        self.sent = 0  # references handed out naming this ring
+        self.segment_sent = False  # the receiver has (or will have) the descriptor
+        self.retired = False
+
+    @property
+    def nbytes(self) -> int:
+        """Shared memory this ring still holds (free slots of a retired ring are given back)."""
+        return CTRL + (self.n_slots - len(self._trimmed)) * self.slot_size
+
+    def acquire(self) -> tuple[int, int] | None:
+        """A free slot and its new generation, or None when every slot is still leased."""
+        w = self._words
+        for k in range(self.n_slots):
+            i = (self._next + k) % self.n_slots
+            if w[_STATES + i] == 0:
+                self._generation += 1
+                w[_STATES + i] = self._generation
+                self._next = i + 1
+                return i, self._generation
+        return None
+
+    def unacquire(self, slot: int) -> None:
+        self._words[_STATES + slot] = 0
+
+    def release(self, slot: int, generation: int) -> None:
+        """Free ``slot`` if it still holds ``generation`` (a lease dropped in this process)."""
+        if self._words[_STATES + slot] == generation:
+            self._words[_STATES + slot] = 0
+
+    def received_here(self) -> None:
+        """A reference was consumed in this process (a DataLoader that collates in its workers)."""
+        self._words[_RECEIVED] += 1
+
+    def in_flight(self) -> int:
+        """References sent and not yet received."""
+        return self.sent - self._words[_RECEIVED]
+
+    def free_slots(self) -> int:
+        w = self._words
+        return sum(1 for i in range(self.n_slots) if w[_STATES + i] == 0)
+
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        start = CTRL + slot * self.slot_size
+        return memoryview(self.segment.mm)[start : start + nbytes]
+
+    def retire(self) -> None:
+        """No more slots from this ring; receivers may forget it once they got every reference."""
+        self._words[_SENT] = self.sent
+        self._words[_RETIRED] = 1
+        self.retired = True
+        self.trim()
+
+    def trim(self) -> None:
+        """Give the pages of free slots back to the kernel (retired rings only)."""
+        if _REMOVE is None:
+            return
+        w = self._words
+        for i in range(self.n_slots):
+            if i not in self._trimmed and w[_STATES + i] == 0:
+                self.segment.mm.madvise(_REMOVE, CTRL + i * self.slot_size, self.slot_size)
+                self._trimmed.add(i)
+
+    def done(self) -> bool:
+        """Retired, every reference received and every slot free: safe to unmap."""
+        w = self._words
+        return self.retired and w[_RECEIVED] >= self.sent and all(w[_STATES + i] == 0 for i in range(self.n_slots))
+
+    def close(self) -> None:
+        self._words.release()
+        self.segment.close()
+
+
+class _MappedRing:
+    """Receiver side: one mapping of a worker's ring.
+
+    ``pin``: registered with the accelerator (True), never to be (False), not asked yet (None).
+    Unmapped by ``close`` once forgotten and no lease is left: unregistered first.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "address",
+        "forgotten",
+        "leases",
+        "mm",
+        "nbytes",
+        "owner_pid",
+        "pin",
+        "slot_size",
+        "uid",
+        "words",
+    )
+
+    def __init__(self, uid: str, segment: ShmSegment, slot_size: int, owner_pid: int) -> None:
+        if bytes(segment.mm[:16]) != bytes.fromhex(uid):
+            raise ShmTransportError(
+                f"the shared memory received for ring {uid} of process {owner_pid} is another ring "
+                f"({bytes(segment.mm[:16]).hex()}); this is a bug in torch_storage_loader, please report it",
+                ring=uid,
+            )
+        self.uid = uid
+        self.mm = segment.mm
+        self.slot_size = slot_size
+        self.owner_pid = owner_pid
+        self.words = memoryview(self.mm)[:CTRL].cast("q")
+        self.leases = 0
+        self.pin: bool | None = None
+        self.address = np.frombuffer(self.mm, np.uint8, 1).ctypes.data
+        self.nbytes = len(self.mm)
+        self.forgotten = False
+
+    def finished(self) -> bool:
+        w = self.words
+        return self.leases == 0 and w[_RETIRED] == 1 and w[_RECEIVED] >= w[_SENT]
+
+    def close(self) -> None:
+        """Unregister, then unmap (no lease is left: nothing views the mapping)."""
+        if self.pin:
+            from . import pinning as _pinning
+
+            self.pin = False
+            _pinning.unpin(self)
+        self.words.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # something still exports it: it is unmapped with the last export
+
+
+class _Registry:
+    """The rings mapped in this process, by uid, and a thread that forgets those of exited workers."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.RLock()  # lease finalizers may run inside a locked section (GC)
+        self.rings: dict[str, _MappedRing] = {}
+        self.watched: dict[int, int] = {}  # owner pid -> pidfd
+        self.wake: tuple[int, int] | None = None
+        self.reaper: threading.Thread | None = None
+
+    def forget(self, ring: _MappedRing) -> None:
+        if self.rings.get(ring.uid) is ring:
+            del self.rings[ring.uid]
+        if not ring.forgotten:
+            ring.forgotten = True
+            if ring.leases == 0:
+                ring.close()  # else with the last lease (refs._free)
+
+    def forget_owner(self, pid: int) -> None:
+        for ring in [r for r in self.rings.values() if r.owner_pid == pid]:
+            self.forget(ring)
+
+    def watch(self, pid: int) -> None:
+        """Forget ``pid``'s rings once it exits (called with the lock held)."""
+        if pid in self.watched:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.forget_owner(pid)
+            return
+        except (AttributeError, OSError):
+            return  # no pidfd here: rings are forgotten when retired, or when the worker's loader stops
+        self.watched[pid] = pidfd
+        if self.reaper is None:
+            self.wake = os.pipe()
+            self.reaper = threading.Thread(target=self._reap, args=(self.wake,), name="tsl-ring-reaper", daemon=True)
+            self.reaper.start()
+        else:
+            os.write(self.wake[1], b"\0")
+
+    def _reap(self, wake: tuple[int, int]) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(wake[0], selectors.EVENT_READ, None)
+            registered: dict[int, int] = {}
+            while True:
+                with self.lock:
+                    for pid, fd in self.watched.items():
+                        if pid not in registered:
+                            sel.register(fd, selectors.EVENT_READ, pid)
+                            registered[pid] = fd
+                    if not self.watched:
+                        self.reaper = self.wake = None
+                        break
+                for key, _ in sel.select():
+                    if key.data is None:
+                        os.read(wake[0], 4096)
+                        continue
+                    pid = key.data
+                    sel.unregister(key.fd)
+                    with self.lock:
+                        del registered[pid]
+                        os.close(self.watched.pop(pid))
+                        self.forget_owner(pid)
+        for fd in wake:
+            os.close(fd)
+
+
+_registry = _Registry()
+
+
+def _after_fork_in_child() -> None:
+    # Rings the parent mapped stay mapped where the child's inherited views need them, but the
+    # child never receives references for them, and its releases are ignored (see refs._release).
+    global _registry
+    _registry = _Registry()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:
+    """Forget mapped rings (of one worker, or all); leased slots keep their memory until dropped."""
+    reg = _registry
+    with reg.lock:
+        for ring in list(reg.rings.values()):
+            if owner_pid is not None and ring.owner_pid != owner_pid:
+                continue
+            if dead_only and pid_alive(ring.owner_pid):
+                continue
+            reg.forget(ring)

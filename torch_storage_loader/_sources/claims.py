@@ -1,0 +1,85 @@
+"""The one claim loop of the directory and prefix sources.
+
+Each consumer claims what no one claimed (a rename, a conditional creation: exactly one consumer
+wins each), gives back the claims of trainers that died on its host whenever it runs out of
+work, and stops once the producers' end marker exists and nothing is unclaimed or claimed by
+another live trainer. A ``ClaimStore`` says how one kind of storage lists, claims and releases.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
+
+from .._workers.proc import trainer_alive
+from ..storage import Storage
+
+__all__ = ["Claim", "ClaimStore", "Owner", "Scan", "claim_loop"]
+
+
+class Owner(NamedTuple):
+    """Who claims: the host, the trainer (``family``: its pid) and the claiming process."""
+
+    host: str
+    family: str
+    pid: int
+
+
+class Claim(NamedTuple):
+    """A valid claim found in a listing: what ``_release`` needs, and whose it is."""
+
+    ref: Any
+    host: str
+    family: str
+    pid: int
+
+
+class Scan(NamedTuple):
+    """One listing: whether the end marker is there, what is unclaimed (in claim order), and the rest."""
+
+    ended: bool
+    unclaimed: list
+    listing: Any
+
+
+class ClaimStore(Protocol):
+    poll_interval: float
+    spread: bool  # consumers start apart in the unclaimed list (fewer lost races where a claim is dear)
+
+    def _scan(self) -> Scan: ...
+
+    def _claims_in(self, scan: Scan) -> list[Claim]: ...
+
+    def _release(self, claim: Claim) -> bool: ...
+
+    def _claim(self, entry: Any, owner: Owner) -> tuple[Any, Storage] | None: ...
+
+
+def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "") -> Iterator[tuple[Any, Storage]]:
+    """``(token, handle)`` pairs claimed for consumer ``shard`` of ``num_shards`` of trainer ``family``."""
+    host = socket.gethostname()
+    me = Owner(host, family or str(os.getpid()), os.getpid())
+    while True:
+        scan = store._scan()
+        if not scan.unclaimed:
+            claims = store._claims_in(scan)
+            dead = [c for c in claims if c.host == host and not trainer_alive(c.family, c.pid)]
+            if sum(bool(store._release(c)) for c in dead):
+                continue
+            if scan.ended and not any(
+                c.family != me.family and (c.host != host or trainer_alive(c.family, c.pid)) for c in claims
+            ):
+                return
+            time.sleep(store.poll_interval)
+            continue
+        unclaimed = scan.unclaimed
+        if store.spread:
+            start = shard * len(unclaimed) // max(1, num_shards)
+            unclaimed = unclaimed[start:] + unclaimed[:start]
+        for entry in unclaimed:
+            got = store._claim(entry, me)
+            if got is not None:
+                yield got

@@ -1,0 +1,244 @@
+"""Files a ``FileStorageLoader`` writes into a directory, claimed by atomic rename as they land."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from .._format import limits as _limits
+from .._format.names import DIR_CLAIM as CLAIM
+from .._format.names import FAILED, LOADED, SUFFIX
+from .._stores import objects as _objects
+from .._workers.proc import parse_pid
+from ..storage import FileStorage, Storage
+from .claims import Claim, Owner, Scan, claim_loop
+from .end import END_OF_STREAM
+
+__all__ = ["CLAIM", "ClaimedName", "DirectorySource", "parse_claim"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+
+class DirectorySource:
+    """Files a ``FileStorageLoader`` (or ``FileStorage.save``) writes into ``path``, as they land.
+
+    Each file is claimed by exactly one consumer, by renaming it atomically to
+    ``NAME.claimed-HOST-TRAINER-PID`` (processes on other machines sharing the filesystem
+    included). A claimed file is deleted once the trainer received its sample
+    (``delete_after_load=False`` keeps it as ``*.loaded``); a file that fails to load is kept as
+    ``*.failed``; a claim not delivered when a DataLoader stops is renamed back, and so is a claim
+    whose process died on this host (found by any consumer that runs out of files). Producers end
+    the stream with ``end_directory_stream(path)``: consumers stop once the marker exists and no
+    file is unclaimed or claimed by another live trainer. Producers should save with
+    ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted before it is delivered.
+
+    Whoever can write into the directory is not trusted: a name that cannot be claimed (too long
+    to rename, say) and a claim whose name does not parse (``HOST-TRAINER-PID``, ASCII digits in
+    the kernel's pid range) are ignored and counted (``refused``) once each; files are opened
+    without following links, and a FIFO or device is refused, not read (see ``_format``).
+
+    ``path`` may be an object-store prefix (``s3://bucket/prefix``): the source is then a
+    ``PrefixSource`` (a subclass), which claims objects by conditional creation instead of renaming.
+
+    Pass it as a ``StorageDataset``'s source (a plain path does the same with the defaults); the
+    dataset calls ``iterate`` in its workers and settles each token with ``ack``, ``fail`` or
+    ``give_back``.
+
+    Args:
+        path: The directory the producers save into (or an object-store prefix URL).
+        delete_after_load: Delete a file once its sample reached the trainer; False renames it to
+            ``*.loaded`` instead, so it is kept but never claimed again.
+        poll_interval: Seconds to wait before listing the directory again when nothing is unclaimed.
+
+    Raises:
+        ValueError: ``poll_interval`` is not positive.
+
+    Examples:
+        >>> import os, torch
+        >>> from torch_storage_loader import DirectorySource, FileStorage, StorageDataset, end_directory_stream
+        >>> os.makedirs("incoming")
+        >>> size = FileStorage("incoming/0.tsl").save(torch.zeros(2))  # a producer saves, then ends the stream
+        >>> end_directory_stream("incoming")
+        >>> dataset = StorageDataset(DirectorySource("incoming"))
+        >>> [batch.shape for batch in torch.utils.data.DataLoader(dataset)]
+        [torch.Size([1, 2])]
+        >>> os.listdir("incoming")  # delivered, so deleted
+        ['_END_OF_STREAM']
+    """
+
+    finite = False
+    keep_alive_every = None
+    ack_in_background = False
+
+    _for_urls: type | None = None  # the subclass for object-store prefixes (``prefix.PrefixSource``)
+
+    def __init_subclass__(cls, *, for_urls: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if for_urls:
+            DirectorySource._for_urls = cls
+
+    def __new__(cls, path: str | os.PathLike | None = None, **options: Any):  # None: unpickling
+        if cls is DirectorySource and path is not None and _objects.is_url(os.fspath(path)):
+            return super().__new__(DirectorySource._for_urls)  # claims by conditional creation: see prefix
+        return super().__new__(cls)
+
+    def __init__(self, path: str | os.PathLike, *, delete_after_load: bool = True, poll_interval: float = 0.05) -> None:
+        if poll_interval <= 0:
+            raise ValueError(f"{poll_interval=} must be > 0")
+        self.path = os.fspath(path)
+        self.delete_after_load = delete_after_load
+        self.poll_interval = poll_interval
+        self.refused = 0  # names refused in this process, each counted once
+        self._refused: set[str] = set()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "refused": 0, "_refused": set()}
+
+    def _refuse(self, name: str, why: str) -> None:
+        if name in self._refused:
+            return
+        if len(self._refused) >= 1 << 16:
+            self._refused.clear()  # bounded: a name seen again then is counted again
+        self._refused.add(name)
+        self.refused += 1
+        _limits.log_refused(logger, "directory %s: ignoring %r: %s", self.path, name[:300], why)
+
+    def _names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path))
+        except FileNotFoundError:
+            return []
+
+    spread = False  # a rename is cheap: every consumer walks the names in order
+
+    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+        """Claim files as they land, until the stream ended and nothing is left to claim.
+
+        Args:
+            shard: This consumer's index among ``num_shards`` (spreads consumers over the names).
+            num_shards: How many consumers read the source (DataLoader workers times ranks).
+            family: The trainer this consumer belongs to (its pid; default: this process's), so
+                claims of a live trainer are never taken back.
+
+        Yields:
+            ``(token, handle)`` per claimed file: settle the token with ``ack``, ``fail`` or ``give_back``.
+        """
+        return claim_loop(self, shard, num_shards, family)
+
+    def _scan(self) -> Scan:
+        names = self._names()
+        unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".") and n not in self._refused]
+        return Scan(os.path.exists(os.path.join(self.path, END_OF_STREAM)), unclaimed, names)
+
+    def _claims_in(self, scan: Scan) -> list[Claim]:
+        """The valid claims among the names listed; the others are refused."""
+        out = []
+        for name in scan.listing:
+            if CLAIM not in name:
+                continue
+            claim = parse_claim(name)
+            if claim is None:
+                self._refuse(name, "its claim is not NAME.claimed-HOST-TRAINER-PID with pids in range")
+            else:
+                out.append(claim)
+        return out
+
+    def _release(self, claim: Claim) -> bool:
+        """Rename back the claim of a trainer that died on this host (a claim whose worker is gone while
+        its trainer lives is the trainer's to give back or acknowledge)."""
+        ref: ClaimedName = claim.ref
+        try:
+            os.rename(os.path.join(self.path, ref.name), os.path.join(self.path, ref.original))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _claim(self, name: str, owner: Owner) -> tuple[str, Storage] | None:
+        src = os.path.join(self.path, name)
+        claimed = f"{src}{CLAIM}{owner.host}-{owner.family}-{owner.pid}"
+        try:
+            os.rename(src, claimed)  # atomic: exactly one consumer wins each file
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # e.g. a name too long to take the claim's suffix
+            self._refuse(name, f"it cannot be claimed ({errno.errorcode.get(exc.errno, exc.errno)})")
+            return None
+        return claimed, FileStorage(claimed)
+
+    def ack(self, tokens: list) -> None:
+        """Settle claims whose samples reached the trainer: delete the files (or keep them as ``*.loaded``).
+
+        Args:
+            tokens: Tokens from ``iterate``.
+        """
+        for path in tokens:
+            try:
+                if self.delete_after_load:
+                    os.remove(path)
+                else:
+                    os.rename(path, path.rsplit(CLAIM, 1)[0] + LOADED)
+            except FileNotFoundError:
+                pass  # reclaimed meanwhile as a dead process's: it will be delivered again
+
+    def fail(self, tokens: list) -> None:
+        """Settle claims whose files could not be loaded: keep them as ``*.failed``, never claimed again.
+
+        Args:
+            tokens: Tokens from ``iterate``.
+        """
+        for path in tokens:
+            try:
+                os.rename(path, path.rsplit(CLAIM, 1)[0] + FAILED)
+            except FileNotFoundError:
+                pass
+
+    def keep_alive(self, tokens: list) -> None:
+        """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
+
+        Args:
+            tokens: Tokens from ``iterate``.
+        """
+        # a claim lasts until its trainer dies
+
+    def give_back(self, tokens: list) -> None:
+        """Release claims that were never delivered: rename the files back, for any consumer to claim.
+
+        Args:
+            tokens: Tokens from ``iterate``.
+        """
+        for path in tokens:
+            try:
+                os.rename(path, path.rsplit(CLAIM, 1)[0])
+            except FileNotFoundError:
+                pass
+
+
+_CLAIM_TAIL = re.compile(r"(.+)-([0-9]{1,7})-([0-9]{1,7})")  # HOST (may hold dashes)-FAMILY-PID
+
+
+class ClaimedName(NamedTuple):
+    """A claimed file's name in the directory, and the name it had before it was claimed."""
+
+    name: str
+    original: str
+
+
+def parse_claim(name: str) -> Claim | None:
+    """The claim a name ``NAME.claimed-HOST-FAMILY-PID`` makes (its ``ref``: a ``ClaimedName``), or
+    None: not a valid claim.
+
+    FAMILY (the trainer's pid) and PID are ASCII digits within the kernel's pid range."""
+    if CLAIM not in name:
+        return None
+    original, rest = name.rsplit(CLAIM, 1)
+    match = _CLAIM_TAIL.fullmatch(rest)
+    if not original or match is None:
+        return None
+    pid = parse_pid(match[3])
+    if parse_pid(match[2]) is None or pid is None:
+        return None
+    return Claim(ClaimedName(name, original), match[1], match[2], pid)

@@ -1,0 +1,100 @@
+"""A ``RedisStorageQueue`` as a streaming source (the queue lives in ``redis_queue``, its parts in ``_redis``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from .._format import limits as _limits
+from .._redis.keys import family as _family
+from ..errors import HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError
+from ..storage import Storage
+
+__all__ = ["RedisSource", "StreamQueue"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+
+class StreamQueue(Protocol):
+    """All ``RedisSource`` uses of its ``RedisStorageQueue``: public methods, nothing set from outside."""
+
+    stream: str
+    claim_after: float
+
+    @property
+    def family(self) -> str: ...
+
+    def join_trainer(self, trainer: str) -> None: ...
+
+    def get(self, timeout: float | None = None) -> tuple[str, Storage] | None: ...
+
+    def ack(self, *tokens: str | list[str], failed: bool = False) -> int: ...
+
+    def give_back(self, *tokens: str | list[str], family: str | None = None) -> int: ...
+
+    def keep_alive(self, *tokens: str | list[str], family: str) -> None: ...
+
+    def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource: ...
+
+
+class RedisSource:
+    """``StorageDataset``'s view of a ``RedisStorageQueue``: handles in, acknowledgements out.
+
+    DataLoader workers read as consumers named after their trainer; the trainer acknowledges an
+    entry once it received its sample, or gives it back (``RedisStorageQueue.give_back``) when its
+    DataLoader stops first. A file that cannot be read fails everywhere, so its entry is
+    acknowledged too and counted as ``failed``.
+    """
+
+    finite = False
+    ack_in_background = True  # the trainer's ledger thread sends acknowledgements in batches
+
+    def __init__(self, queue: StreamQueue) -> None:
+        self.queue = queue
+        self.refused = 0  # entries refused in this process (Redis counts them all: stats()["refused"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"queue": self.queue}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        type(self).__init__(self, state["queue"])
+
+    def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource:
+        """This source, or one over a copy of its queue that also trusts ``trusted_roots``."""
+        return self.queue.as_source(trusted_roots) if trusted_roots else self
+
+    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+        q = self.queue
+        if family:
+            q.join_trainer(family)
+        while True:
+            try:
+                item = q.get()
+            except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+                self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
+                _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
+                continue
+            if item is None:
+                return
+            yield item
+
+    @property
+    def keep_alive_every(self) -> float:
+        return self.queue.claim_after / 3
+
+    def ack(self, tokens: list[str]) -> None:
+        self.queue.ack(tokens)
+
+    def fail(self, tokens: list[str]) -> None:
+        self.queue.ack(tokens, failed=True)
+
+    def give_back(self, tokens: list[str]) -> None:
+        self.queue.give_back(tokens, family=self._family())
+
+    def keep_alive(self, tokens: list[str]) -> None:
+        self.queue.keep_alive(tokens, family=self._family())
+
+    def _family(self) -> str:
+        return self.queue.family or _family(str(os.getpid()))  # a worker's, else this trainer's

@@ -1,0 +1,242 @@
+"""Loader worker processes seen from the parent: starting, watching and replacing them, and decoding
+their replies (the loop each one runs: ``worker``; what they say: ``protocol``)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import selectors
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .._shm.slots import retire_rings
+from .._stores import objects as _objects
+from ..errors import unpack_exception
+from .protocol import STOP, Failed, Load, Loaded, Ready, WorkerLost, loads_with_fds, recv_fds
+from .worker import run_worker
+
+__all__ = ["WorkerConfig", "WorkerPool"]
+
+logger = logging.getLogger("torch_storage_loader")
+
+MAX_STARTUP_FAILURES = 3  # workers in a row that exit with an error before they are up: stop replacing them
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    n_slots: int
+    max_rings: int
+    budget: int  # shared-memory bytes this worker may hold
+    shm_directory: str
+
+
+class WorkerHandle:
+    """One worker process, seen from the parent."""
+
+    __slots__ = ("conn", "index", "inflight", "proc", "ready", "sock")
+
+    def __init__(self, index: int, proc, conn) -> None:
+        self.index, self.proc, self.conn = index, proc, conn
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.ready = False
+        self.inflight: set[int] = set()
+
+    def close(self) -> None:
+        self.conn.close()
+        self.sock.close()
+
+
+class WorkerPool:
+    """Starts ``size`` workers, watches them, replaces the dead, and decodes their replies.
+
+    Every method but ``pids`` and ``forget`` belongs to one thread (the loader's receiving thread),
+    except ``stop`` once that thread is done. ``wake`` may be called from any thread.
+    """
+
+    def __init__(self, ctx: mp.context.BaseContext, size: int, config: WorkerConfig) -> None:
+        self._ctx, self._size, self._config = ctx, size, config
+        self.workers: list[WorkerHandle] = []
+        self._starting = None  # the parent end of a pipe whose worker is being started
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # wake() may race stop(): never write to a reused fd number
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopped = False
+        self._startup_failures = 0
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for i in range(self._size):
+            self._spawn(i)
+
+    def _spawn(self, index: int) -> WorkerHandle:
+        cfg = self._config
+        parent, child = self._ctx.Pipe(duplex=True)
+        self._starting = parent  # a fork child closes its copy (see forget)
+        try:
+            proc = self._ctx.Process(
+                target=run_worker,
+                args=(child, cfg.n_slots, cfg.shm_directory, cfg.max_rings, cfg.budget, _objects.snapshot()),
+                name=f"tsl-loader-worker-{index}",
+                daemon=True,
+            )
+            proc.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+            self._starting = None
+        worker = WorkerHandle(index, proc, parent)
+        self.workers.append(worker)
+        # By descriptor number: a closed Connection has no fileno().
+        self._selector.register(parent.fileno(), selectors.EVENT_READ, (worker, True))
+        self._selector.register(proc.sentinel, selectors.EVENT_READ, (worker, False))
+        return worker
+
+    def stop(self, timeout: float = 5) -> None:
+        """Ask every worker to exit, kill those that do not within ``timeout``, release everything."""
+        self._stopped = True
+        workers, self.workers = self.workers, []
+        for w in workers:
+            try:
+                w.conn.send(STOP)
+            except OSError:
+                pass
+        for w in workers:
+            self._bury(w, timeout)
+        self._selector.close()
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's workers without touching them."""
+        for w in self.workers:
+            # multiprocessing would otherwise terminate and join them at this process's exit.
+            mp.process._children.discard(w.proc)
+            w.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_w = -1
+        if self._starting is not None:
+            self._starting.close()
+        self.workers = []
+        self._stopped = True
+
+    # -------------------------------------------------------------------------------- dispatch
+    def least_busy(self, max_inflight: int) -> WorkerHandle | None:
+        """The ready worker with the fewest loads in flight, if it has fewer than ``max_inflight``."""
+        ready = [w for w in self.workers if w.ready]
+        worker = min(ready, key=lambda w: len(w.inflight), default=None)
+        return worker if worker is not None and len(worker.inflight) < max_inflight else None
+
+    def send(self, worker: WorkerHandle, request_id: int, storage: Any) -> None:
+        worker.inflight.add(request_id)
+        try:
+            worker.conn.send(Load(request_id, storage))
+        except OSError:
+            pass  # the worker is dead: wait() reports it, with this request
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # stopped
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # full: the thread is awake anyway
+
+    # ------------------------------------------------------------------------------ receiving
+    def wait(self) -> list[Loaded | Failed | WorkerLost]:
+        """Block until something happens; return replies and deaths (dead workers already replaced)."""
+        if self._stopped:
+            return []
+        events: list = []
+        for key, _ in self._selector.select():
+            if key.data is None:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            worker, is_conn = key.data
+            if worker not in self.workers:
+                continue  # buried earlier in this batch
+            if is_conn:
+                try:
+                    event = self._receive(worker)
+                except (EOFError, OSError):
+                    pass  # the worker is gone, possibly mid-reply
+                else:
+                    if event is not None:
+                        events.append(event)
+                    continue
+            events += self._lose(worker)
+        return events
+
+    def _receive(self, worker: WorkerHandle) -> Loaded | Failed | None:
+        msg = worker.conn.recv()
+        if isinstance(msg, Ready):
+            worker.ready = True
+            self._startup_failures = 0
+            return None
+        fds = recv_fds(worker.sock, msg.n_fds) if isinstance(msg, Loaded) and msg.n_fds else []
+        worker.inflight.discard(msg.request_id)
+        if isinstance(msg, Failed):
+            return Failed(msg.request_id, unpack_exception(msg.error, msg.traceback))
+        try:
+            # Without descriptors the payload holds no persistent ids: plain loads is cheaper.
+            return Loaded(
+                msg.request_id, msg.info, loads_with_fds(msg.payload, fds) if fds else pickle.loads(msg.payload)
+            )
+        except Exception as exc:  # noqa: BLE001 - that request's error, not the worker's death
+            return Failed(msg.request_id, exc)
+
+    def _lose(self, worker: WorkerHandle) -> list[Loaded | Failed | WorkerLost]:
+        """Deliver the replies the dead worker completed, bury it, and start a replacement."""
+        events: list = []
+        try:
+            while worker.conn.poll():
+                event = self._receive(worker)
+                if event is not None:
+                    events.append(event)
+        except (EOFError, OSError):
+            pass  # the rest is a reply cut short
+        self.workers.remove(worker)
+        self._selector.unregister(worker.conn.fileno())
+        self._selector.unregister(worker.proc.sentinel)
+        pid, lost = worker.proc.pid, tuple(worker.inflight)
+        code = self._bury(worker, timeout=5)
+        failed_to_start = not worker.ready and code is not None and code > 0
+        self._startup_failures = self._startup_failures + 1 if failed_to_start else 0
+        restarted = not self._stopped and self._startup_failures < MAX_STARTUP_FAILURES
+        if restarted:
+            self._spawn(worker.index)
+        logger.warning(
+            "loader worker %s (pid %s) died with exit code %s%s",
+            worker.index,
+            pid,
+            code,
+            "; started a new one" if restarted else "",
+        )
+        events.append(WorkerLost(worker.index, pid, code, lost, restarted))
+        return events
+
+    @staticmethod
+    def _bury(worker: WorkerHandle, timeout: float) -> int | None:
+        worker.proc.join(timeout)
+        if worker.proc.is_alive():
+            worker.proc.kill()
+            worker.proc.join()
+        code = worker.proc.exitcode
+        worker.close()
+        retire_rings(worker.proc.pid)
+        worker.proc.close()
+        return code

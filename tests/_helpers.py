@@ -115,6 +115,12 @@ def consume_directory(directory: str, out) -> None:
     out.put(ids)
 
 
+def consume_queue(queue, out, ready) -> None:
+    """A consumer process of a StorageQueue: says it is waiting, then puts the paths it took on ``out``."""
+    ready.set()
+    out.put([s.path for s in queue])
+
+
 def consume_and_block(directory: str, ready) -> None:
     """A trainer process that takes five samples of a directory source, then hangs (to be killed)."""
     from torch.utils.data import DataLoader

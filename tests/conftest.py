@@ -88,6 +88,45 @@ def _our_threads() -> set[str]:
     return {f"{t.name} (ident {t.ident})" for t in threading.enumerate() if t.name.startswith("tsl-")}
 
 
+# Where each of our segments this process mapped came from (inode -> test, size, stack), for the leak
+# report: a mapping outliving its ShmSegment is held by views gc cannot see (numpy, torch storages).
+_origins: dict[int, str] = {}
+_current_test = "<no test>"
+
+
+def _record_origins() -> None:
+    import traceback
+
+    from torch_storage_loader._shm import segments
+
+    init = segments.ShmSegment.__init__
+
+    def traced(self, size, *args, **kwargs):
+        init(self, size, *args, **kwargs)
+        try:
+            ino = os.fstat(self._fd).st_ino
+        except OSError:
+            return
+        stack = "".join(traceback.format_stack(limit=14)[:-1])
+        _origins[ino] = f"{size} bytes, mapped during {_current_test} at:\n{stack}"
+        if len(_origins) > 4096:
+            del _origins[next(iter(_origins))]
+
+    segments.ShmSegment.__init__ = traced
+
+
+_record_origins()
+
+
+def _origin_lines(mappings: set[str]) -> list[str]:
+    out = []
+    for line in sorted(mappings):
+        fields = line.split()
+        ino = int(fields[4]) if len(fields) > 4 and fields[4].isdigit() else -1
+        out.append(f"origin of inode {ino}: {_origins.get(ino, 'unknown (not mapped through ShmSegment here)')}")
+    return out
+
+
 _KINDS = {
     "shared-memory mappings (/proc/self/maps)": _our_mappings,
     "shared-memory descriptors (/proc/self/fd)": _our_fds,
@@ -164,6 +203,8 @@ def _drop_captured_tracebacks(item) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
+    global _current_test
+    _current_test = request.node.nodeid
     before = _snapshot()
     for kind, items in before.items():
         _excused[kind] &= items  # forget what went away
@@ -193,6 +234,7 @@ def no_leaks(request):
             ]
     if leaked["shared-memory mappings (/proc/self/maps)"]:
         lines += _what_holds(leaked["shared-memory mappings (/proc/self/maps)"])
+        lines += _origin_lines(leaked["shared-memory mappings (/proc/self/maps)"])
     report = (
         f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
         + "\n".join(lines)

@@ -151,6 +151,33 @@ def test_killed_worker_loses_nothing(tmp_path):
     assert sorted(set(got)) == list(range(200))
 
 
+def test_consumers_killed_while_waiting_do_not_stop_the_others(tmp_path):
+    """A consumer SIGKILLed while it waits on an empty StorageQueue holds none of its locks: the
+    others still take every handle, and the end."""
+    ctx = mp.get_context("spawn")
+    q, out = StorageQueue(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(6)]
+    consumers = [ctx.Process(target=_helpers.consume_queue, args=(q, out, r)) for r in readies]
+    for c in consumers:
+        c.start()
+    try:
+        assert all(r.wait(60) for r in readies)
+        for victim in consumers[:4]:  # each waits on the empty queue, polling it, when killed
+            time.sleep(0.25)
+            victim.kill()
+            victim.join()
+        handles = _save_all(tmp_path / "files", n=40)
+        for s in handles:
+            q.put(s)
+        q.close()
+        got = [p for _ in consumers[4:] for p in out.get(timeout=30)]
+        assert sorted(got) == sorted(s.path for s in handles)
+    finally:
+        for c in consumers:
+            c.kill()
+            c.join()
+
+
 def test_killed_trainer_gives_its_claims_back(tmp_path):
     d = str(tmp_path / "dir")
     _save_all(d, n=100)

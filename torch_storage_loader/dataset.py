@@ -389,8 +389,12 @@ class StorageDataset(IterableDataset[Any]):
         rank, world = self._dist if self._dist is not None else _live_dist()
         src = self.source
         if not isinstance(src, ListSource):
-            pairs = src.iterate(rank * nw + wid, world * nw, family=str(self._owner))
-            return self._iterate(pairs, nw if worker is not None else 0, None)
+            writer = self._writer_for() if worker is not None else None
+            if writer is not None and writer.feed is not None:
+                pairs = writer.fed()  # the trainer takes from the source (see _dataloader.feed)
+            else:
+                pairs = src.iterate(rank * nw + wid, world * nw, family=str(self._owner))
+            return self._iterate(pairs, nw if worker is not None else 0, None, writer)
         # Decided here, not in the generator: StatefulDataLoader snapshots state_dict() right after iter().
         epoch, skip = self._next_epoch(nw if worker is not None else 0, wid)
         self._epoch, self._yielded = epoch, skip
@@ -407,7 +411,9 @@ class StorageDataset(IterableDataset[Any]):
         )
         return self._iterate(iter(groups[skip:]), nw if worker is not None else 0, epoch)
 
-    def _iterate(self, source: Iterator[Any], num_workers: int, epoch: int | None) -> Iterator[Any]:
+    def _iterate(
+        self, source: Iterator[Any], num_workers: int, epoch: int | None, writer: LedgerWriter | None = None
+    ) -> Iterator[Any]:
         """Load what ``source`` gives: groups of handles (finite sources) or (token, handle) pairs (streams)."""
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
@@ -421,14 +427,18 @@ class StorageDataset(IterableDataset[Any]):
                     yield item
             self._epoch, self._yielded = epoch + 1, 0
             return
-        yield from self._stream(filler, source, in_worker, per_item)
+        yield from self._stream(filler, source, in_worker, per_item, writer)
 
     def _stream(
-        self, filler: SlotFiller, pairs: Iterator[tuple[Any, Storage]], in_worker: bool, per_item: int
+        self,
+        filler: SlotFiller,
+        pairs: Iterator[tuple[Any, Storage]],
+        in_worker: bool,
+        per_item: int,
+        writer: LedgerWriter | None,
     ) -> Iterator[Any]:
         """A streaming source, at least once (see ``_dataloader.ledger``): every handle taken is either
         acknowledged once the trainer has its sample, failed, or given back."""
-        writer = self._writer_for() if in_worker else None
         src, size = self._streaming(), self.batch_size or 1
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[Any] = []
@@ -500,11 +510,12 @@ class StorageDataset(IterableDataset[Any]):
         """This worker's ledger writer, restarted for each new iteration (epoch) of the worker."""
         if self._ledger is None:
             return None
-        ledger_id, conns = self._ledger
+        ref = self._ledger
         worker = get_worker_info()
         assert worker is not None  # called in DataLoader workers only
-        if self._writer is None or self._writer.ledger_id != ledger_id:
-            self._writer = LedgerWriter(ledger_id, conns[worker.id])
+        if self._writer is None or self._writer.ledger_id != ref.id:
+            feed = ref.feeds[worker.id] if ref.feeds is not None else None
+            self._writer = LedgerWriter(ref.id, ref.writers[worker.id], feed, ref.trainer_pid)
         self._writer.restart()
         return self._writer
 

@@ -152,7 +152,7 @@ class StorageQueue:
             if self._ended.value:
                 wait = min(wait, 0.02)
             try:
-                item = self._queue.get(timeout=wait)
+                item = self._take(wait)
             except _queue.Empty:
                 if self._ended.value:
                     if not self._returns_pending():
@@ -176,6 +176,17 @@ class StorageQueue:
                 self._took_back(item.pid)
                 return item.storage
             return cast(Storage, item)  # only Storage handles are put, besides the markers above
+
+    def _take(self, wait: float) -> Any:
+        """One message, waiting up to ``wait`` seconds for one without holding the queue's read lock.
+
+        ``mp.Queue.get(timeout=...)`` polls with that lock held: a consumer killed while it waits
+        would leave it held, and every other consumer would wait for ever. Here the lock is held
+        only while one message that is already there is read.
+        """
+        if not self._queue._reader.poll(wait):  # type: ignore[attr-defined]  # the pipe mp.Queue reads from
+            raise _queue.Empty
+        return self._queue.get(block=False)  # Empty if another consumer read it first
 
     def __iter__(self) -> Iterator[Storage]:
         while (item := self.get()) is not None:

@@ -71,6 +71,7 @@ class Tracked(Protocol):
     """A dataset whose DataLoader iterators the hooks act for (``StorageDataset``)."""
 
     device: Any  # None, or where its batches go (finished on the trainer's thread as handed over)
+    batch_size: int | None  # handles per item it yields (None: one)
 
     def _tsl_delivery_source(self) -> Any:
         """The streaming source whose handles the workers report to a ledger, or None (finite)."""
@@ -184,7 +185,15 @@ def _open(loader: Any) -> Ledger | None:
         return None
     ctx = loader.multiprocessing_context or mp.get_context()
     ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
-    ledger = Ledger(source, loader.num_workers, ctx, confirm=bool(getattr(loader, "confirm_delivery", False)))
+    # A fed worker has enough handles for two of its items waiting (DataLoader items of dataset batches).
+    per_item = (loader.batch_size or 1) * (ds.batch_size or 1)
+    ledger = Ledger(
+        source,
+        loader.num_workers,
+        ctx,
+        confirm=bool(getattr(loader, "confirm_delivery", False)),
+        ahead=2 * per_item,
+    )
     ds._tsl_attach_ledger(ledger.ref())
     return ledger
 
@@ -260,6 +269,9 @@ def _hook(cls: type) -> None:
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
+        ledger = getattr(self, "_tsl_ledger", None)
+        if ledger is not None:
+            ledger.stop_feeding()  # fed workers stop waiting for handles, and exit when told to
         try:
             shutdown(self)
         finally:

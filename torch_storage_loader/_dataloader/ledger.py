@@ -12,6 +12,9 @@ fetches a batch ahead of the one it trains on) acknowledges only when told ``con
 the order items were yielded. Whatever is left when the iterator stops (a ``break``, an
 exception, workers killed, the next epoch of persistent workers) goes back to the source.
 
+A queue source is ``fed_from_trainer``: the trainer takes its handles and feeds the workers
+(``feed``), so that what a worker is given is known before the worker has it.
+
 The iterator's methods are wrapped by ``hooks`` (every touch of private torch is there); this
 module imports no torch: the ledger only reads and writes pipes and calls its source's ``ack``,
 ``give_back`` and ``keep_alive``.
@@ -26,7 +29,10 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
+
+from .feed import Feeder, fed
 
 logger = logging.getLogger("torch_storage_loader")
 
@@ -53,10 +59,13 @@ class ItemKey(NamedTuple):
 
 
 class LedgerRef(NamedTuple):
-    """What a dataset hands its DataLoader workers: the ledger's id and one pipe end per worker."""
+    """What a dataset hands its DataLoader workers: the ledger's id, one pipe end per worker to
+    report on, and (for a source the trainer feeds) one to read handles from, and the trainer's pid."""
 
     id: str
     writers: list
+    feeds: list | None
+    trainer_pid: int
 
 
 class Ledger:
@@ -67,7 +76,7 @@ class Ledger:
     sources whose entries expire (``keep_alive``: Redis claims idle entries after ``claim_after``).
     """
 
-    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False) -> None:
+    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, ahead: int = 2) -> None:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
         self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
@@ -86,16 +95,29 @@ class Ledger:
         self._acks: list = []  # delivered, to acknowledge from the thread (sources with slow acks)
         self._ack_behind = bool(source.ack_in_background)
         self._keep_every = source.keep_alive_every
+        self._feeds: list[Any] | None = None  # the workers' read ends, until they have them
+        self._feeder: Feeder | None = None
+        if source.fed_from_trainer:
+            feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
+            self._feeds = [r for r, _ in feeds]
+            self._feeder = Feeder(source, [w for _, w in feeds], ahead=ahead)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
 
     def ref(self) -> LedgerRef:
-        return LedgerRef(self.id, self.writers)
+        return LedgerRef(self.id, self.writers, self._feeds, os.getpid())
 
     def started(self) -> None:
-        """The workers have their write ends: drop ours, so a reader sees EOF once they are gone."""
+        """The workers have their pipe ends: drop ours, so a reader sees EOF once they are gone."""
         for w in self.writers:
             w.close()
+        for r in self._feeds or ():
+            r.close()
+
+    def stop_feeding(self) -> None:
+        """Before the workers are shut down: they stop waiting for handles (a no-op unless fed)."""
+        if self._feeder is not None:
+            self._feeder.stop()
 
     def _run(self) -> None:
         next_keep = time.monotonic() + (self._keep_every or 0)
@@ -155,6 +177,8 @@ class Ledger:
         taken = self._taken.setdefault(ItemKey(worker, msg.incarnation, msg.item), [])
         if msg.kind == TAKE:
             taken.extend(msg.tokens)
+            if self._feeder is not None:
+                self._feeder.reported(worker, len(msg.tokens))
             return
         for t in msg.tokens:
             if t in taken:
@@ -203,7 +227,10 @@ class Ledger:
             self._yielded = [0] * len(self._yielded)
             self._unconfirmed.clear()
             back = self._pop([k for k in self._taken if k.incarnation < self._incarnation])
+            incarnation = self._incarnation
         self._settle([], back)
+        if self._feeder is not None:
+            self._feeder.restart(incarnation)  # after the give-back: the feeder takes those again
 
     def close(self, exhausted: bool = False) -> None:
         """The iterator stopped: give back what was not delivered. ``exhausted``: it ran to its end, so
@@ -217,11 +244,15 @@ class Ledger:
         os.close(self._stop_r)
         os.close(self._stop_w)
         try:
+            if self._feeder is not None:
+                self._feeder.close()
             with self._lock:
                 self._drain()
                 ack = self._acks + (self._pop(list(self._unconfirmed)) if exhausted else [])
                 self._acks = []
                 back = self._pop(list(self._taken))
+            if self._feeder is not None:
+                back += self._feeder.undelivered()  # given, never reported: in a feed, or a dead worker's
             try:
                 self._settle(ack, back, now=True)
             except Exception as exc:  # noqa: BLE001 - often from __del__: say it, never raise it there
@@ -259,13 +290,19 @@ def _wake(fd: int, what: bytes) -> None:
 
 
 class LedgerWriter:
-    """Worker side: one worker's pipe, and the incarnation it is in."""
+    """Worker side: one worker's pipes (``feed``: None unless the trainer feeds it), and the
+    incarnation it is in."""
 
-    def __init__(self, ledger_id: str, conn: Any) -> None:
+    def __init__(self, ledger_id: str, conn: Any, feed: Any = None, trainer_pid: int = 0) -> None:
         self.ledger_id, self._conn, self.incarnation = ledger_id, conn, -1
+        self.feed, self._trainer_pid = feed, trainer_pid
 
     def restart(self) -> None:
         self.incarnation += 1
+
+    def fed(self) -> Iterator[tuple[Any, Any]]:
+        """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
+        return fed(self.feed, self.incarnation, self._trainer_pid)
 
     def took(self, item: int, tokens: list) -> None:
         self._conn.send(Entry(TAKE, self.incarnation, item, tokens))

@@ -5,6 +5,9 @@ streaming source (``Source``) hands out ``(token, handle)`` pairs and settles ea
 ``ack`` (the trainer has its sample), ``fail`` (it cannot load), or ``give_back`` (taken, never
 delivered); ``keep_alive`` renews what is held where claims expire (``keep_alive_every`` seconds,
 None: never), and ``ack_in_background`` asks the trainer's ledger thread to acknowledge in batches.
+A source whose takes are not atomic with a record of who took (a queue: the handle is gone from it
+before a worker can say so) is ``fed_from_trainer``: under DataLoader workers the trainer calls its
+``take(timeout)`` and feeds the workers, so a killed worker's handles are known (``_dataloader.ledger``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Source(Protocol):
     finite: bool
     keep_alive_every: float | None
     ack_in_background: bool
+    fed_from_trainer: bool
 
     def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
         """``(token, handle)`` pairs for consumer ``shard`` of ``num_shards`` of trainer ``family``."""

@@ -73,6 +73,7 @@ class DirectorySource:
     finite = False
     keep_alive_every = None
     ack_in_background = False
+    fed_from_trainer = False  # its claims are atomic: workers take themselves
 
     _for_urls: type | None = None  # the subclass for object-store prefixes (``prefix.PrefixSource``)
 

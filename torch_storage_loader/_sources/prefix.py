@@ -79,6 +79,7 @@ class PrefixSource(DirectorySource, for_urls=True):
     """
 
     ack_in_background = True  # two requests per delivered sample: off the trainer's thread
+    fed_from_trainer = False  # its claims are atomic: workers take themselves
 
     def __init__(self, url: str, *, delete_after_load: bool = True, poll_interval: float = 0.2) -> None:
         if poll_interval <= 0:

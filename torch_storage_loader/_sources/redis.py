@@ -50,6 +50,7 @@ class RedisSource:
 
     finite = False
     ack_in_background = True  # the trainer's ledger thread sends acknowledgements in batches
+    fed_from_trainer = False  # its claims are atomic: workers take themselves
 
     def __init__(self, queue: StreamQueue) -> None:
         self.queue = queue

@@ -1,0 +1,181 @@
+"""The trainer takes from a queue source and feeds its DataLoader workers (``Feeder``, ``fed``).
+
+Taking from a queue removes the handle before the taker can record it anywhere: a worker that
+took a handle and was killed before telling the ledger would lose it, and one killed while
+waiting on a queue's lock would leave every other consumer waiting. So for a ``fed_from_trainer``
+source the trainer's ``tsl-feeder`` thread takes, records each handle as given to worker ``w``,
+and only then writes it to that worker's feed pipe, keeping each worker ``ahead`` handles ahead.
+A worker reads its pipe (``fed``) and reports what it read to the ledger as usual; whatever was
+given and not reported is still known to the trainer, and goes back when the iterator stops.
+
+A feed carries ``("fed", token, handle)``, ``("end", incarnation)`` (the source ended; a worker
+in an older incarnation stops, a newer one skips it), ``("error", exception)`` (taking failed:
+the worker raises it, and the trainer receives it as the worker's) and ``("stop",)`` (the
+iterator is shutting down: stop now, whatever the incarnation).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue as _queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .._workers.proc import pid_alive
+
+logger = logging.getLogger("torch_storage_loader")
+
+FED, END, ERROR, STOP = "fed", "end", "error", "stop"
+TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
+TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
+
+
+class Feeder:
+    """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds."""
+
+    def __init__(self, source: Any, feeds: list[Any], *, ahead: int) -> None:
+        if ahead < 1:
+            raise ValueError(f"{ahead=} must be >= 1")
+        self.source, self._feeds, self.ahead = source, feeds, ahead
+        self._given: list[collections.deque[Any]] = [collections.deque() for _ in feeds]
+        self._incarnation = 0
+        self._done = False  # the source ended (or failed) for this incarnation
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called by the ledger
+    def reported(self, worker: int, n: int) -> None:
+        """Worker ``worker`` read ``n`` more handles off its feed (it told the ledger it took them)."""
+        with self._cond:
+            given = self._given[worker]
+            for _ in range(min(n, len(given))):
+                given.popleft()
+            self._cond.notify()
+
+    def restart(self, incarnation: int) -> None:
+        """Persistent workers began iteration ``incarnation``: take from the source again (what was
+        given back before this call is taken again). Handles still in a feed stay given."""
+        with self._cond:
+            self._incarnation, self._done = incarnation, False
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Stop taking and tell every worker to stop (idempotent)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def undelivered(self) -> list[Any]:
+        """After ``stop``: every handle given to a worker that it did not report; forgotten here."""
+        with self._cond:
+            out = [t for given in self._given for t in given]
+            for given in self._given:
+                given.clear()
+        return out
+
+    # ------------------------------------------------------------------ the thread
+    def _room(self) -> int | None:
+        """The worker with the fewest handles waiting in its feed, if it has room for one more."""
+        w = min(range(len(self._given)), key=lambda i: len(self._given[i]))
+        return w if len(self._given[w]) < self.ahead else None
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception:
+            logger.exception("the tsl-feeder thread failed; the stream ends here")
+        finally:
+            self._send_all((STOP,))
+
+    def _step(self) -> bool:
+        with self._cond:
+            while not self._stopped and (self._done or self._room() is None):
+                self._cond.wait()
+            if self._stopped:
+                return False
+            worker, incarnation = self._room(), self._incarnation
+        assert worker is not None
+        try:
+            got = self.source.take(TAKE_WAIT_S)
+        except _queue.Empty:
+            return True
+        except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
+            self._finish(incarnation, (ERROR, exc))
+            return True
+        if got is None:
+            self._finish(incarnation, (END, incarnation))
+            return True
+        token, storage = got
+        with self._cond:
+            if self._stopped:
+                self.source.give_back([token])
+                return False
+            self._given[worker].append(token)  # before it is sent: a worker killed now loses nothing
+        try:
+            self._feeds[worker].send((FED, token, storage))
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "could not feed DataLoader worker %d (%s); its handles go back when the iterator stops", worker, exc
+            )
+        return True
+
+    def _finish(self, incarnation: int, msg: tuple) -> None:
+        with self._cond:
+            if self._incarnation != incarnation:
+                return  # restarted meanwhile: take again
+            self._done = True
+        self._send_all(msg)
+
+    def _send_all(self, msg: tuple) -> None:
+        for feed in self._feeds:
+            try:
+                try:
+                    feed.send(msg)
+                except (OSError, ValueError):
+                    raise
+                except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
+                    feed.send((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}")))
+            except (OSError, ValueError):
+                pass  # a worker that is gone, or a feed closed: nothing to tell
+
+    def close(self) -> None:
+        """Stop, then close the trainer's ends of the feeds."""
+        self.stop()
+        for feed in self._feeds:
+            feed.close()
+
+
+def fed(feed: Any, incarnation: int, trainer_pid: int) -> Iterator[tuple[Any, Any]]:
+    """Worker side: the ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``.
+
+    Ends at the source's end (or the iterator's stop, or the trainer's death); raises what taking
+    from the source raised.
+    """
+    while True:
+        if not feed.poll(TRAINER_CHECK_S):
+            if not pid_alive(trainer_pid):
+                return
+            continue
+        try:
+            msg = feed.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0] if type(msg) is tuple and msg else None
+        if kind == FED and len(msg) == 3:
+            yield msg[1], msg[2]
+        elif kind == END and len(msg) == 2:
+            if msg[1] >= incarnation:
+                return
+        elif kind == STOP:
+            return
+        elif kind == ERROR and len(msg) == 2 and isinstance(msg[1], BaseException):
+            raise msg[1]
+        else:
+            raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import uuid
 
 import _helpers
+import numpy as np
 import pytest
 from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from conftest import traj
@@ -176,6 +178,24 @@ def test_consumers_killed_while_waiting_do_not_stop_the_others(tmp_path):
         for c in consumers:
             c.kill()
             c.join()
+
+
+def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
+    """The trainer feeds its workers through pipes that never block it: a "handle" that carries
+    megabytes is refused with an error naming it, and the handles around it still arrive."""
+    small = _save_all(tmp_path / "files", n=6)
+    q = StorageQueue()
+    for s in [*small[:3], _helpers.MemoryStorage(np.zeros(1 << 20), tag="huge"), *small[3:]]:
+        q.put(s)
+    q.close()
+    got: list[int] = []
+    with pytest.raises(TypeError, match=r"MemoryStorage\) is too large to feed a DataLoader worker"):
+        for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=1, timeout=60):
+            got += _ids(item)
+    gc.collect()  # the exception's traceback held the iterator (a cycle): it gives back as it goes
+    for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=1, timeout=60):
+        got += _ids(item)
+    assert sorted(got) == list(range(6))
 
 
 def test_killed_trainer_gives_its_claims_back(tmp_path):

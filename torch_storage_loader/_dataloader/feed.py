@@ -17,10 +17,12 @@ iterator is shutting down: stop now, whatever the incarnation).
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import queue as _queue
 import threading
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._workers.proc import pid_alive
@@ -30,16 +32,25 @@ logger = logging.getLogger("torch_storage_loader")
 FED, END, ERROR, STOP = "fed", "end", "error", "stop"
 TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
+PIPE_SIZE = 1 << 20  # what a feed's pipe is raised to (Linux's default limit for unprivileged users)
+RESERVE = 16 << 10  # room kept in a feed for the message that ends it (end, error, stop)
 
 
 class Feeder:
-    """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds."""
+    """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
+
+    A write to a worker's feed never blocks: each feed holds at most ``ahead`` handles and what fits
+    in its pipe (raised to 1 MiB where the system allows), less room for the closing message, so
+    the thread stops promptly even when a worker is dead or no longer reads.
+    """
 
     def __init__(self, source: Any, feeds: list[Any], *, ahead: int) -> None:
         if ahead < 1:
             raise ValueError(f"{ahead=} must be >= 1")
         self.source, self._feeds, self.ahead = source, feeds, ahead
-        self._given: list[collections.deque[Any]] = [collections.deque() for _ in feeds]
+        self._room_bytes = [_pipe_capacity(f) - RESERVE for f in feeds]
+        self._given: list[collections.deque[tuple[Any, int]]] = [collections.deque() for _ in feeds]
+        self._bytes = [0] * len(feeds)  # of the messages given and not yet reported, per feed
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
         self._stopped = False
@@ -53,7 +64,7 @@ class Feeder:
         with self._cond:
             given = self._given[worker]
             for _ in range(min(n, len(given))):
-                given.popleft()
+                self._bytes[worker] -= given.popleft()[1]
             self._cond.notify()
 
     def restart(self, incarnation: int) -> None:
@@ -74,34 +85,46 @@ class Feeder:
     def undelivered(self) -> list[Any]:
         """After ``stop``: every handle given to a worker that it did not report; forgotten here."""
         with self._cond:
-            out = [t for given in self._given for t in given]
-            for given in self._given:
+            out = [t for given in self._given for t, _ in given]
+            for w, given in enumerate(self._given):
                 given.clear()
+                self._bytes[w] = 0
         return out
 
+    def close(self) -> None:
+        """Stop, then close the trainer's ends of the feeds."""
+        self.stop()
+        for feed in self._feeds:
+            feed.close()
+
     # ------------------------------------------------------------------ the thread
-    def _room(self) -> int | None:
-        """The worker with the fewest handles waiting in its feed, if it has room for one more."""
-        w = min(range(len(self._given)), key=lambda i: len(self._given[i]))
-        return w if len(self._given[w]) < self.ahead else None
+    def _room(self, nbytes: int) -> int | None:
+        """The worker with the fewest handles waiting in its feed, among those with room for a
+        message of ``nbytes`` (one larger than a pipe goes to an empty feed); None if none has."""
+        fits = [
+            w
+            for w, given in enumerate(self._given)
+            if len(given) < self.ahead and (not given or self._bytes[w] + nbytes <= self._room_bytes[w])
+        ]
+        return min(fits, key=lambda w: len(self._given[w])) if fits else None
 
     def _run(self) -> None:
         try:
             while self._step():
                 pass
-        except Exception:
+        except Exception as exc:  # never silent: logged, and raised by the workers in the trainer
             logger.exception("the tsl-feeder thread failed; the stream ends here")
+            self._send_all((ERROR, RuntimeError(f"the trainer's tsl-feeder thread failed: {exc!r}")))
         finally:
             self._send_all((STOP,))
 
     def _step(self) -> bool:
         with self._cond:
-            while not self._stopped and (self._done or self._room() is None):
+            while not self._stopped and (self._done or self._room(1) is None):
                 self._cond.wait()
             if self._stopped:
                 return False
-            worker, incarnation = self._room(), self._incarnation
-        assert worker is not None
+            incarnation = self._incarnation
         try:
             got = self.source.take(TAKE_WAIT_S)
         except _queue.Empty:
@@ -113,18 +136,43 @@ class Feeder:
             self._finish(incarnation, (END, incarnation))
             return True
         token, storage = got
+        try:
+            data = bytes(ForkingPickler.dumps((FED, token, storage)))
+        except Exception as exc:  # noqa: BLE001 - refused, and said: a worker raises it in the trainer
+            self.source.fail([token])
+            self._refuse(f"{storage!r} does not pickle ({exc}), so it cannot reach a DataLoader worker")
+            return True
+        if len(data) > min(self._room_bytes):
+            self.source.fail([token])
+            self._refuse(
+                f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a DataLoader "
+                f"worker (at most {min(self._room_bytes)}): a handle names where a sample is; save the data itself"
+            )
+            return True
         with self._cond:
+            while not self._stopped and (worker := self._room(len(data))) is None:
+                self._cond.wait()
             if self._stopped:
                 self.source.give_back([token])
                 return False
-            self._given[worker].append(token)  # before it is sent: a worker killed now loses nothing
+            self._given[worker].append((token, len(data)))  # before it is sent: a worker killed now loses nothing
+            self._bytes[worker] += len(data)
         try:
-            self._feeds[worker].send((FED, token, storage))
+            self._feeds[worker].send_bytes(data)
         except (OSError, ValueError) as exc:
             logger.warning(
                 "could not feed DataLoader worker %d (%s); its handles go back when the iterator stops", worker, exc
             )
         return True
+
+    def _refuse(self, why: str) -> None:
+        """A handle taken and dropped: the next worker to ask raises ``why`` (as a ``TypeError``)."""
+        logger.warning("refused a handle: %s", why)
+        worker = min(range(len(self._feeds)), key=lambda w: len(self._given[w]))
+        try:
+            self._feeds[worker].send((ERROR, TypeError(why)))
+        except (OSError, ValueError):
+            pass
 
     def _finish(self, incarnation: int, msg: tuple) -> None:
         with self._cond:
@@ -145,11 +193,17 @@ class Feeder:
             except (OSError, ValueError):
                 pass  # a worker that is gone, or a feed closed: nothing to tell
 
-    def close(self) -> None:
-        """Stop, then close the trainer's ends of the feeds."""
-        self.stop()
-        for feed in self._feeds:
-            feed.close()
+
+def _pipe_capacity(conn: Any) -> int:
+    """The size of the pipe under ``conn``, raised to ``PIPE_SIZE`` where the system lets us."""
+    try:
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    except (AttributeError, OSError):
+        pass  # not Linux, or over /proc/sys/fs/pipe-max-size: the pipe keeps its size
+    try:
+        return int(fcntl.fcntl(conn.fileno(), fcntl.F_GETPIPE_SZ))
+    except (AttributeError, OSError):
+        return 65536  # POSIX guarantees less, but every system this runs on has at least this
 
 
 def fed(feed: Any, incarnation: int, trainer_pid: int) -> Iterator[tuple[Any, Any]]:

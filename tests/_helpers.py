@@ -367,4 +367,3 @@ class TinyCounting(Tiny):
         if self.record_dir is not None:
             with open(os.path.join(self.record_dir, f"rank{self.global_rank}.batches"), "w") as f:
                 f.write(f"{self.trainer.num_training_batches} {self.trainer.global_step}")
-

@@ -664,6 +664,7 @@ def test_the_ledger_thread_survives_garbage_from_a_worker(caplog):
     class Source:
         keep_alive_every = None
         ack_in_background = False
+        fed_from_trainer = False
 
         def __init__(self):
             self.acked = []

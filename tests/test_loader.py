@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -294,9 +296,10 @@ def test_clean_exit_under_dev_mode_and_werror(tmp_path, method):
 
 
 CTRL_C = """
-import os, sys, time, numpy as np
+import faulthandler, os, signal, sys, time, numpy as np
 from torch_storage_loader import FileStorageLoader
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
     with FileStorageLoader(sys.argv[1], worker_num=2) as loader:
         h = loader.save({"x": np.zeros(100000)})
         loader.load_async(h).result()
@@ -312,13 +315,30 @@ def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(CTRL_C))
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script), str(tmp_path / "s")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a session of its own: a hang is cleaned up with killpg, workers included
     )
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2
-    time.sleep(0.5)
-    proc.send_signal(2)
-    _, err = proc.communicate(timeout=60)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, to stderr
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            pytest.fail(f"still running 60 s after Ctrl-C; its stacks and stderr:\n{err[-6000:]}")
+    finally:
+        if proc.poll() is None:  # failed before it ended: it, its workers and its forkserver go
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert "KeyboardInterrupt" in err
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z"

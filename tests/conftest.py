@@ -166,6 +166,71 @@ def _what_holds(mappings: set[str]) -> list[str]:
     return out
 
 
+def _views_into(mappings: set[str]) -> list[str]:
+    """What refers to memory inside the leaked mappings: mmaps, arrays, memoryviews and tensors
+    (none of them tracked by gc, so found among the referents of what is), and who holds them."""
+    import ctypes
+    import mmap
+
+    ranges = []
+    for line in mappings:
+        lo, hi = line.split()[0].split("-")
+        ranges.append((int(lo, 16), int(hi, 16)))
+
+    def inside(addr: int) -> bool:
+        return any(lo <= addr < hi for lo, hi in ranges)
+
+    def address(obj) -> int | None:
+        try:
+            if isinstance(obj, torch.Tensor):
+                return obj.untyped_storage().data_ptr()
+            if isinstance(obj, np.ndarray):
+                return obj.__array_interface__["data"][0]
+            if isinstance(obj, memoryview):
+                return None if obj.nbytes == 0 else np.frombuffer(obj, np.uint8).__array_interface__["data"][0]
+            if isinstance(obj, mmap.mmap) and not obj.closed and len(obj):
+                return ctypes.addressof(ctypes.c_char.from_buffer(obj))
+        except (TypeError, ValueError, BufferError, RuntimeError):
+            return None
+        return None
+
+    kinds = (torch.Tensor, np.ndarray, memoryview, mmap.mmap)
+    out, seen = [], set()
+    for holder in gc.get_objects():
+        # type(), not isinstance(): some objects warn when their __class__ is read (torch's reduce_op)
+        candidates = [holder] if issubclass(type(holder), torch.Tensor) else gc.get_referents(holder)
+        # Containers that hold only untracked objects (a dict of arrays) are untracked themselves.
+        for _ in range(3):
+            inner = [
+                x
+                for c in candidates
+                if type(c) in (dict, list, tuple) and not gc.is_tracked(c)
+                for x in gc.get_referents(c)
+            ]
+            if not inner:
+                break
+            candidates = candidates + inner
+        for obj in candidates:
+            if id(obj) in seen or not issubclass(type(obj), kinds):
+                continue
+            addr = address(obj)
+            if addr is None or not inside(addr):
+                continue
+            seen.add(id(obj))
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list"})
+            text = "" if issubclass(type(holder), torch.Tensor) else object.__repr__(holder)
+            if type(holder) is dict and isinstance(holder.get("__name__"), str):
+                text = f"(the globals of {holder['__name__']})"
+            elif type(holder).__name__ == "frame":
+                text = f"(frame of {holder.f_code.co_name}, {holder.f_code.co_filename}:{holder.f_lineno})"
+            out.append(
+                f"view: {type(obj).__name__} at {addr:#x}, held by {type(holder).__name__} {text}; referrers {holders}"
+            )
+            if len(out) >= 20:
+                return out
+    return out or ["no array, tensor, memoryview or mmap found among what gc tracks refers into it"]
+
+
 def _snapshot() -> dict[str, set[str]]:
     return {kind: probe() for kind, probe in _KINDS.items()}
 
@@ -235,6 +300,7 @@ def no_leaks(request):
     if leaked["shared-memory mappings (/proc/self/maps)"]:
         lines += _what_holds(leaked["shared-memory mappings (/proc/self/maps)"])
         lines += _origin_lines(leaked["shared-memory mappings (/proc/self/maps)"])
+        lines += _views_into(leaked["shared-memory mappings (/proc/self/maps)"])
     report = (
         f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
         + "\n".join(lines)

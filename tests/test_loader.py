@@ -300,6 +300,8 @@ import faulthandler, os, signal, sys, time, numpy as np
 from torch_storage_loader import FileStorageLoader
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
+    # As in a terminal: a suite run as a background job hands its children SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with FileStorageLoader(sys.argv[1], worker_num=2) as loader:
         h = loader.save({"x": np.zeros(100000)})
         loader.load_async(h).result()

@@ -34,6 +34,7 @@ TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this 
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
 PIPE_SIZE = 1 << 20  # what a feed's pipe is raised to (Linux's default limit for unprivileged users)
 RESERVE = 16 << 10  # room kept in a feed for the message that ends it (end, error, stop)
+OVERHEAD = 16  # bytes a burst's message adds per handle, at most
 
 
 class Feeder:
@@ -98,15 +99,15 @@ class Feeder:
             feed.close()
 
     # ------------------------------------------------------------------ the thread
-    def _room(self, nbytes: int) -> int | None:
-        """The worker with the fewest handles waiting in its feed, among those with room for a
-        message of ``nbytes`` (one larger than a pipe goes to an empty feed); None if none has."""
-        fits = [
+    def _hungry(self) -> int | None:
+        """The worker with the fewest handles waiting, once one is down to half of ``ahead`` (and of
+        its pipe): feeds are topped up in bursts, so the thread wakes once per burst, not per handle."""
+        low = [
             w
             for w, given in enumerate(self._given)
-            if len(given) < self.ahead and (not given or self._bytes[w] + nbytes <= self._room_bytes[w])
+            if len(given) <= self.ahead // 2 and self._bytes[w] <= self._room_bytes[w] // 2
         ]
-        return min(fits, key=lambda w: len(self._given[w])) if fits else None
+        return min(low, key=lambda w: len(self._given[w])) if low else None
 
     def _run(self) -> None:
         try:
@@ -120,50 +121,65 @@ class Feeder:
 
     def _step(self) -> bool:
         with self._cond:
-            while not self._stopped and (self._done or self._room(1) is None):
+            while not self._stopped and (self._done or (worker := self._hungry()) is None):
                 self._cond.wait()
             if self._stopped:
                 return False
             incarnation = self._incarnation
-        try:
-            got = self.source.take(TAKE_WAIT_S)
-        except _queue.Empty:
-            return True
-        except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
-            self._finish(incarnation, (ERROR, exc))
-            return True
-        if got is None:
-            self._finish(incarnation, (END, incarnation))
-            return True
-        token, storage = got
-        try:
-            data = bytes(ForkingPickler.dumps((FED, token, storage)))
-        except Exception as exc:  # noqa: BLE001 - refused, and said: a worker raises it in the trainer
-            self.source.fail([token])
-            self._refuse(f"{storage!r} does not pickle ({exc}), so it cannot reach a DataLoader worker")
-            return True
-        if len(data) > min(self._room_bytes):
-            self.source.fail([token])
-            self._refuse(
-                f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a DataLoader "
-                f"worker (at most {min(self._room_bytes)}): a handle names where a sample is; save the data itself"
-            )
-            return True
-        with self._cond:
-            while not self._stopped and (worker := self._room(len(data))) is None:
-                self._cond.wait()
-            if self._stopped:
-                self.source.give_back([token])
-                return False
-            self._given[worker].append((token, len(data)))  # before it is sent: a worker killed now loses nothing
-            self._bytes[worker] += len(data)
-        try:
-            self._feeds[worker].send_bytes(data)
-        except (OSError, ValueError) as exc:
-            logger.warning(
-                "could not feed DataLoader worker %d (%s); its handles go back when the iterator stops", worker, exc
-            )
+            quota = self.ahead - len(self._given[worker])
+            room = self._room_bytes[worker] - self._bytes[worker]
+        burst, last = self._take(quota, room, incarnation)
+        if burst:
+            with self._cond:
+                if self._stopped:
+                    self.source.give_back([t for t, _ in burst])
+                    return False
+                for token, data in burst:  # before they are sent: a worker killed now loses nothing
+                    self._given[worker].append((token, len(data) + OVERHEAD))
+                    self._bytes[worker] += len(data) + OVERHEAD
+            try:
+                self._feeds[worker].send((FED, [data for _, data in burst]))
+            except (OSError, ValueError) as exc:
+                logger.warning(
+                    "could not feed DataLoader worker %d (%s); its handles go back when the iterator stops", worker, exc
+                )
+        if last is not None:
+            self._finish(incarnation, last)
         return True
+
+    def _take(self, quota: int, room: int, incarnation: int) -> tuple[list[tuple[Any, bytes]], tuple | None]:
+        """Up to ``quota`` handles in ``room`` bytes, as ``(token, pickled (token, handle))``: waits
+        for the first, then takes what is there; and the message that ends the stream, if it ended."""
+        burst: list[tuple[Any, bytes]] = []
+        while len(burst) < quota:
+            try:
+                got = self.source.take(0.0 if burst else TAKE_WAIT_S)
+            except _queue.Empty:
+                break
+            except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
+                return burst, (ERROR, exc)
+            if got is None:
+                return burst, (END, incarnation)
+            token, storage = got
+            try:
+                data = bytes(ForkingPickler.dumps((token, storage)))
+            except Exception as exc:  # noqa: BLE001 - refused, and said: a worker raises it in the trainer
+                self.source.fail([token])
+                self._refuse(f"{storage!r} does not pickle ({exc}), so it cannot reach a DataLoader worker")
+                continue
+            if len(data) + OVERHEAD > min(self._room_bytes) // 2:
+                self.source.fail([token])
+                self._refuse(
+                    f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a "
+                    f"DataLoader worker (at most {min(self._room_bytes) // 2 - OVERHEAD}): a handle names where a "
+                    "sample is; save the data itself"
+                )
+                continue
+            burst.append((token, data))
+            room -= len(data) + OVERHEAD
+            if room < min(self._room_bytes) // 2:
+                break  # the next one might not fit; the worker is far from hungry anyway
+        return burst, None
 
     def _refuse(self, why: str) -> None:
         """A handle taken and dropped: the next worker to ask raises ``why`` (as a ``TypeError``)."""
@@ -206,13 +222,16 @@ def _pipe_capacity(conn: Any) -> int:
         return 65536  # POSIX guarantees less, but every system this runs on has at least this
 
 
-def fed(feed: Any, incarnation: int, trainer_pid: int) -> Iterator[tuple[Any, Any]]:
+def fed(feed: Any, incarnation: int, trainer_pid: int, waiting: collections.deque) -> Iterator[tuple[Any, Any]]:
     """Worker side: the ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``.
 
-    Ends at the source's end (or the iterator's stop, or the trainer's death); raises what taking
-    from the source raised.
+    ``waiting`` holds what was read off the feed and not yet yielded; it outlives this generator
+    (persistent workers start a new one each epoch), so nothing read is dropped. Ends at the
+    source's end (or the iterator's stop, or the trainer's death); raises what taking raised.
     """
     while True:
+        while waiting:
+            yield waiting.popleft()
         if not feed.poll(TRAINER_CHECK_S):
             if not pid_alive(trainer_pid):
                 return
@@ -222,8 +241,8 @@ def fed(feed: Any, incarnation: int, trainer_pid: int) -> Iterator[tuple[Any, An
         except (EOFError, OSError):
             return
         kind = msg[0] if type(msg) is tuple and msg else None
-        if kind == FED and len(msg) == 3:
-            yield msg[1], msg[2]
+        if kind == FED and len(msg) == 2 and type(msg[1]) is list:
+            waiting.extend(_pair(data) for data in msg[1])
         elif kind == END and len(msg) == 2:
             if msg[1] >= incarnation:
                 return
@@ -233,3 +252,10 @@ def fed(feed: Any, incarnation: int, trainer_pid: int) -> Iterator[tuple[Any, An
             raise msg[1]
         else:
             raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")
+
+
+def _pair(data: Any) -> tuple[Any, Any]:
+    pair = ForkingPickler.loads(data)
+    if type(pair) is not tuple or len(pair) != 2:
+        raise RuntimeError(f"the trainer's feed sent {type(pair).__name__}, not a (token, handle) pair")
+    return pair

@@ -296,13 +296,14 @@ class LedgerWriter:
     def __init__(self, ledger_id: str, conn: Any, feed: Any = None, trainer_pid: int = 0) -> None:
         self.ledger_id, self._conn, self.incarnation = ledger_id, conn, -1
         self.feed, self._trainer_pid = feed, trainer_pid
+        self._fed_waiting: collections.deque = collections.deque()  # read off the feed, not yet taken
 
     def restart(self) -> None:
         self.incarnation += 1
 
     def fed(self) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
-        return fed(self.feed, self.incarnation, self._trainer_pid)
+        return fed(self.feed, self.incarnation, self._trainer_pid, self._fed_waiting)
 
     def took(self, item: int, tokens: list) -> None:
         self._conn.send(Entry(TAKE, self.incarnation, item, tokens))

@@ -685,6 +685,7 @@ def test_the_ledger_thread_survives_garbage_from_a_worker(caplog):
         time.sleep(0.5)
         assert ledger._thread.is_alive(), "the tsl-ledger thread died"
         ledger.delivered(0)
+        ledger.handed()
         assert source.acked == ["t1"]
     finally:
         ledger.started()

@@ -6,7 +6,8 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 
 - ``torch.utils.data.dataloader._MultiProcessingDataLoaderIter`` (and torchdata's
   ``_StatefulMultiProcessingDataLoaderIter``): ``__init__(self, loader, ...)``,
-  ``_reset(self, loader, first_iter=False, ...)``, ``_process_data(self, data, worker_idx, ...)``
+  ``_reset(self, loader, first_iter=False, ...)``, ``__next__(self)``,
+  ``_process_data(self, data, worker_idx, ...)``
   (the worker's index is passed since torch's out-of-order support; before, ``(self, data)``) and
   ``_shutdown_workers(self)``, called by ``_next_data`` once the data ends. They are wrapped for the
   delivery ledger (``ledger``) and ``device=`` (``_device``); iterators over other datasets are
@@ -122,6 +123,7 @@ def check_iterator(cls: type) -> None:
         lambda ps: positional(3)(ps) and ps[2].name == "first_iter",
     )
     _check(cls, "_process_data", "(self, data, worker_idx, ...)", positional(3))
+    _check(cls, "__next__", "(self)", lambda ps: len([p for p in ps if p.default is p.empty]) == 1)
     _check(cls, "_shutdown_workers", "(self)", lambda ps: len([p for p in ps if p.default is p.empty]) == 1)
     next_data = _check(cls, "_next_data", "(self)", positional(1))
     if "_shutdown_workers" not in getattr(next_data, "__code__", None).co_names:
@@ -228,6 +230,7 @@ _warned: list = []
 
 def _hook(cls: type) -> None:
     init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
+    next_ = cls.__next__
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
@@ -266,6 +269,14 @@ def _hook(cls: type) -> None:
             out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
         return out
 
+    @functools.wraps(next_)
+    def __next__(self):
+        out = next_(self)
+        ledger = getattr(self, "_tsl_ledger", None)
+        if ledger is not None:
+            ledger.handed()  # not before: until here, a dead worker's error may still be raised
+        return out
+
     getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
 
     @functools.wraps(shutdown)
@@ -282,11 +293,12 @@ def _hook(cls: type) -> None:
                 self._tsl_ledger = None
                 ledger.close(exhausted)
 
-    cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers = (
+    cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers, cls.__next__ = (
         __init__,
         _reset,
         _process_data,
         _shutdown_workers,
+        __next__,
     )
     cls._tsl_delivery = True
 

@@ -5,9 +5,11 @@ its sample to the trainer's code. Each worker writes what it takes to a pipe of 
 loading, so that a worker killed mid-load loses nothing) tagged with its incarnation (persistent
 workers restart their iterator each epoch) and the index of the DataLoader item it will belong to.
 In the trainer, the iterator's ``_process_data`` (the one place every item passes on its way to
-the caller, after unpickling, pinning and reordering) acknowledges what the worker took for the
-items it yielded: each worker's items reach the caller in the order the worker made them, so a
-count per worker says which. A loader whose ``confirm_delivery`` is true (Lightning's, which
+the caller, after unpickling, pinning and reordering) counts each worker's items (they reach the
+caller in the order the worker made them, so a count per worker says which), and once its
+``__next__`` has returned them, what the worker took for them is acknowledged. Not earlier: torch
+raises a dead worker's error from its SIGCHLD handler wherever the trainer's thread is, so an item
+processed may never be returned. A loader whose ``confirm_delivery`` is true (Lightning's, which
 fetches a batch ahead of the one it trains on) acknowledges only when told ``consumed()``, in
 the order items were yielded. Whatever is left when the iterator stops (a ``break``, an
 exception, workers killed, the next epoch of persistent workers) goes back to the source.
@@ -80,6 +82,7 @@ class Ledger:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
         self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
+        self._handing: list[ItemKey] = []  # processed, not yet returned by the iterator
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
@@ -185,30 +188,39 @@ class Ledger:
                 taken.remove(t)
 
     def delivered(self, worker: int, ok: bool = True) -> None:
-        """The iterator is handing worker ``worker``'s next item to the trainer (``ok``: not an exception)."""
+        """The iterator is processing worker ``worker``'s next item (``ok``: not an exception); it
+        counts as delivered once ``handed()`` says the iterator returned it."""
         with self._lock:
             self._drain()
             self._yielded[worker] += 1
             key = ItemKey(worker, self._incarnation, self._yielded[worker] - 1)
-            if not ok:  # the item is an exception: what it took never reaches the trainer
-                back = self._pop([key])
-                ack = []
-            elif self.confirm:
-                self._unconfirmed.append(key)
-                back = []
+            if ok:
+                self._handing.append(key)
+                return
+            back = self._pop([key])  # the item is an exception: what it took never reaches the trainer
+        self._settle([], back)
+
+    def handed(self) -> None:
+        """The iterator returned the items processed since the last call to the trainer's code.
+
+        Not before: torch raises a dead worker's error from its SIGCHLD handler, at any point of the
+        trainer's thread, so an item processed may still never be returned; then it goes back."""
+        with self._lock:
+            keys, self._handing = self._handing, []
+            if not keys:
+                return
+            self._drain()
+            if self.confirm:
+                self._unconfirmed.extend(keys)
                 # Lightning holds at most two (the batch it trains, the one fetched ahead); more means
                 # nothing confirms (a training_step taking dataloader_iter): treat older ones as used.
                 ack = self._pop([self._unconfirmed.popleft() for _ in range(len(self._unconfirmed) - MAX_UNCONFIRMED)])
             else:
-                back = []
+                last = {k.worker: k.item for k in keys}
                 ack = self._pop(
-                    [
-                        k
-                        for k in self._taken
-                        if k.worker == worker and k.incarnation == self._incarnation and k.item < self._yielded[worker]
-                    ]
+                    [k for k in self._taken if k.incarnation == self._incarnation and k.item <= last.get(k.worker, -1)]
                 )
-        self._settle(ack, back)
+        self._settle(ack, [])
 
     def consumed(self) -> None:
         """With ``confirm``: the trainer used the oldest item yielded and not yet confirmed."""
@@ -226,6 +238,7 @@ class Ledger:
             self._incarnation += 1
             self._yielded = [0] * len(self._yielded)
             self._unconfirmed.clear()
+            self._handing = []
             back = self._pop([k for k in self._taken if k.incarnation < self._incarnation])
             incarnation = self._incarnation
         self._settle([], back)

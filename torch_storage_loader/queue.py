@@ -186,7 +186,8 @@ class StorageQueue:
         """
         if not self._queue._reader.poll(wait):  # type: ignore[attr-defined]  # the pipe mp.Queue reads from
             raise _queue.Empty
-        return self._queue.get(block=False)  # Empty if another consumer read it first
+        # A message is there: wait for the lock (another consumer may be reading), briefly.
+        return self._queue.get(timeout=min(max(wait, 0.01), 0.05))
 
     def __iter__(self) -> Iterator[Storage]:
         while (item := self.get()) is not None:

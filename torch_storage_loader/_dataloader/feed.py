@@ -8,10 +8,11 @@ and only then writes it to that worker's feed pipe, keeping each worker ``ahead`
 A worker reads its pipe (``fed``) and reports what it read to the ledger as usual; whatever was
 given and not reported is still known to the trainer, and goes back when the iterator stops.
 
-A feed carries ``("fed", token, handle)``, ``("end", incarnation)`` (the source ended; a worker
-in an older incarnation stops, a newer one skips it), ``("error", exception)`` (taking failed:
-the worker raises it, and the trainer receives it as the worker's) and ``("stop",)`` (the
-iterator is shutting down: stop now, whatever the incarnation).
+A feed carries ``("fed", [pickled (token, handle), ...])``, ``("end", incarnation)`` (the source
+ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
+incarnation)`` (taking failed, or a handle was refused: the worker raises it, and the trainer
+receives it as the worker's; a newer incarnation skips it) and ``("stop",)`` (the iterator is
+shutting down: stop now, whatever the incarnation).
 """
 
 from __future__ import annotations
@@ -32,24 +33,36 @@ logger = logging.getLogger("torch_storage_loader")
 FED, END, ERROR, STOP = "fed", "end", "error", "stop"
 TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
-PIPE_SIZE = 1 << 20  # what a feed's pipe is raised to (Linux's default limit for unprivileged users)
-RESERVE = 16 << 10  # room kept in a feed for the message that ends it (end, error, stop)
+PIPE_MAX = 1 << 20  # the most a feed's pipe is raised to (Linux's default limit for unprivileged users)
+PAGE = 4096  # a pipe stores each write from a fresh page when it does not fit the last one's rest
 OVERHEAD = 16  # bytes a burst's message adds per handle, at most
+HANDLE_BYTES = 1024  # what a pipe is sized for per handle waiting in it (a FileStorage pickles to ~150)
+STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and goes on
 
 
 class Feeder:
     """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
 
     A write to a worker's feed never blocks: each feed holds at most ``ahead`` handles and what fits
-    in its pipe (raised to 1 MiB where the system allows), less room for the closing message, so
-    the thread stops promptly even when a worker is dead or no longer reads.
+    in its pipe (sized for them, up to 1 MiB, where the system allows), counted by the page, less
+    room for the closing message; so the thread stops promptly even when a worker is dead or no
+    longer reads. A handle too large for that is refused: the stream ends with a ``TypeError``.
     """
 
     def __init__(self, source: Any, feeds: list[Any], *, ahead: int) -> None:
         if ahead < 1:
             raise ValueError(f"{ahead=} must be >= 1")
         self.source, self._feeds, self.ahead = source, feeds, ahead
-        self._room_bytes = [_pipe_capacity(f) - RESERVE for f in feeds]
+        want = min(PIPE_MAX, max(16 * PAGE, ahead * HANDLE_BYTES * 2))
+        self._room_bytes = []
+        for f in feeds:
+            capacity = _pipe_capacity(f, want)
+            self._room_bytes.append(capacity - max(2 * PAGE, capacity // 8))  # the rest: end, error, stop
+        if min(self._room_bytes) < 2 * PAGE:
+            raise OSError(
+                f"a DataLoader worker's feed pipe holds only {min(self._room_bytes) + 2 * PAGE} bytes; raise "
+                "/proc/sys/fs/pipe-user-pages-soft (this user's pipes use up its share), or use fewer loaders at once"
+            )
         self._given: list[collections.deque[tuple[Any, int]]] = [collections.deque() for _ in feeds]
         self._bytes = [0] * len(feeds)  # of the messages given and not yet reported, per feed
         self._incarnation = 0
@@ -81,7 +94,9 @@ class Feeder:
             self._stopped = True
             self._cond.notify()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(STOP_WAIT_S)
+            if self._thread.is_alive():
+                logger.warning("the tsl-feeder thread did not stop within %.0f s; going on without it", STOP_WAIT_S)
 
     def undelivered(self) -> list[Any]:
         """After ``stop``: every handle given to a worker that it did not report; forgotten here."""
@@ -115,7 +130,8 @@ class Feeder:
                 pass
         except Exception as exc:  # never silent: logged, and raised by the workers in the trainer
             logger.exception("the tsl-feeder thread failed; the stream ends here")
-            self._send_all((ERROR, RuntimeError(f"the trainer's tsl-feeder thread failed: {exc!r}")))
+            error = RuntimeError(f"the trainer's tsl-feeder thread failed: {exc!r}")
+            self._send_all((ERROR, error, self._incarnation))
         finally:
             self._send_all((STOP,))
 
@@ -130,13 +146,16 @@ class Feeder:
             room = self._room_bytes[worker] - self._bytes[worker]
         burst, last = self._take(quota, room, incarnation)
         if burst:
+            cost = _pages(sum(len(data) + OVERHEAD for _, data in burst))
             with self._cond:
-                if self._stopped:
-                    self.source.give_back([t for t, _ in burst])
-                    return False
-                for token, data in burst:  # before they are sent: a worker killed now loses nothing
-                    self._given[worker].append((token, len(data) + OVERHEAD))
-                    self._bytes[worker] += len(data) + OVERHEAD
+                stopped = self._stopped
+                if not stopped:
+                    for i, (token, _) in enumerate(burst):  # before they are sent: a worker killed now loses nothing
+                        self._given[worker].append((token, cost if i == 0 else 0))
+                    self._bytes[worker] += cost
+            if stopped:
+                self.source.give_back([t for t, _ in burst])
+                return False
             try:
                 self._feeds[worker].send((FED, [data for _, data in burst]))
             except (OSError, ValueError) as exc:
@@ -151,44 +170,41 @@ class Feeder:
         """Up to ``quota`` handles in ``room`` bytes, as ``(token, pickled (token, handle))``: waits
         for the first, then takes what is there; and the message that ends the stream, if it ended."""
         burst: list[tuple[Any, bytes]] = []
-        while len(burst) < quota:
+        limit = min(self._room_bytes) // 2 - PAGE  # a handle's own message must fit half of any feed
+        while len(burst) < quota and not self._stopped:
             try:
                 got = self.source.take(0.0 if burst else TAKE_WAIT_S)
             except _queue.Empty:
                 break
             except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
-                return burst, (ERROR, exc)
+                return burst, (ERROR, exc, incarnation)
             if got is None:
                 return burst, (END, incarnation)
             token, storage = got
             try:
                 data = bytes(ForkingPickler.dumps((token, storage)))
-            except Exception as exc:  # noqa: BLE001 - refused, and said: a worker raises it in the trainer
+            except Exception as exc:  # noqa: BLE001 - refused: the workers raise it in the trainer
                 self.source.fail([token])
-                self._refuse(f"{storage!r} does not pickle ({exc}), so it cannot reach a DataLoader worker")
-                continue
-            if len(data) + OVERHEAD > min(self._room_bytes) // 2:
-                self.source.fail([token])
-                self._refuse(
-                    f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a "
-                    f"DataLoader worker (at most {min(self._room_bytes) // 2 - OVERHEAD}): a handle names where a "
-                    "sample is; save the data itself"
+                return burst, (
+                    ERROR,
+                    TypeError(f"{storage!r} does not pickle ({exc}): it cannot reach a DataLoader worker"),
                 )
-                continue
+            if len(data) + OVERHEAD > limit:
+                self.source.fail([token])
+                return burst, (
+                    ERROR,
+                    TypeError(
+                        f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a "
+                        f"DataLoader worker (at most {limit - OVERHEAD}): a handle names where a sample is; "
+                        "save the data itself"
+                    ),
+                    incarnation,
+                )
             burst.append((token, data))
             room -= len(data) + OVERHEAD
-            if room < min(self._room_bytes) // 2:
+            if room < limit + 2 * PAGE:
                 break  # the next one might not fit; the worker is far from hungry anyway
         return burst, None
-
-    def _refuse(self, why: str) -> None:
-        """A handle taken and dropped: the next worker to ask raises ``why`` (as a ``TypeError``)."""
-        logger.warning("refused a handle: %s", why)
-        worker = min(range(len(self._feeds)), key=lambda w: len(self._given[w]))
-        try:
-            self._feeds[worker].send((ERROR, TypeError(why)))
-        except (OSError, ValueError):
-            pass
 
     def _finish(self, incarnation: int, msg: tuple) -> None:
         with self._cond:
@@ -205,15 +221,20 @@ class Feeder:
                 except (OSError, ValueError):
                     raise
                 except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
-                    feed.send((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}")))
+                    feed.send((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}"), msg[2]))
             except (OSError, ValueError):
                 pass  # a worker that is gone, or a feed closed: nothing to tell
 
 
-def _pipe_capacity(conn: Any) -> int:
-    """The size of the pipe under ``conn``, raised to ``PIPE_SIZE`` where the system lets us."""
+def _pages(nbytes: int) -> int:
+    """What a message of ``nbytes`` may take of a pipe: whole pages, and the rest of the last one."""
+    return (nbytes // PAGE + 2) * PAGE
+
+
+def _pipe_capacity(conn: Any, want: int) -> int:
+    """The size of the pipe under ``conn``, raised to ``want`` where the system lets us."""
     try:
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, want)
     except (AttributeError, OSError):
         pass  # not Linux, or over /proc/sys/fs/pipe-max-size: the pipe keeps its size
     try:
@@ -248,8 +269,9 @@ def fed(feed: Any, incarnation: int, trainer_pid: int, waiting: collections.dequ
                 return
         elif kind == STOP:
             return
-        elif kind == ERROR and len(msg) == 2 and isinstance(msg[1], BaseException):
-            raise msg[1]
+        elif kind == ERROR and len(msg) == 3 and isinstance(msg[1], BaseException):
+            if msg[2] >= incarnation:  # an older epoch's error was raised there already
+                raise msg[1]
         else:
             raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")
 

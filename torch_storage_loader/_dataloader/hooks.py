@@ -271,7 +271,13 @@ def _hook(cls: type) -> None:
 
     @functools.wraps(next_)
     def __next__(self):
-        out = next_(self)
+        try:
+            out = next_(self)
+        except BaseException:
+            ledger = getattr(self, "_tsl_ledger", None)
+            if ledger is not None:
+                ledger.not_handed()  # processed, then the error: the trainer never got them
+            raise
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None:
             ledger.handed()  # not before: until here, a dead worker's error may still be raised
@@ -283,9 +289,9 @@ def _hook(cls: type) -> None:
     def _shutdown_workers(self):
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None:
-            ledger.stop_feeding()  # fed workers stop waiting for handles, and exit when told to
         try:
+            if ledger is not None:
+                ledger.stop_feeding()  # fed workers stop waiting for handles, and exit when told to
             shutdown(self)
         finally:
             ledger = getattr(self, "_tsl_ledger", None)

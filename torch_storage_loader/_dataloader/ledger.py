@@ -222,6 +222,13 @@ class Ledger:
                 )
         self._settle(ack, [])
 
+    def not_handed(self) -> None:
+        """The iterator raised after processing items (a dead worker's error): they go back."""
+        with self._lock:
+            keys, self._handing = self._handing, []
+            back = self._pop(keys)
+        self._settle([], back)
+
     def consumed(self) -> None:
         """With ``confirm``: the trainer used the oldest item yielded and not yet confirmed."""
         with self._lock:

@@ -68,6 +68,7 @@ class Feeder:
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
         self._stopped = False
+        self._carry: tuple[Any, bytes] | None = None  # taken, for the next burst (the last did not fit it)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
         self._thread.start()
@@ -134,6 +135,9 @@ class Feeder:
             self._send_all((ERROR, error, self._incarnation))
         finally:
             self._send_all((STOP,))
+            if self._carry is not None:
+                (token, _), self._carry = self._carry, None
+                self.source.give_back([token])
 
     def _step(self) -> bool:
         with self._cond:
@@ -167,43 +171,44 @@ class Feeder:
         return True
 
     def _take(self, quota: int, room: int, incarnation: int) -> tuple[list[tuple[Any, bytes]], tuple | None]:
-        """Up to ``quota`` handles in ``room`` bytes, as ``(token, pickled (token, handle))``: waits
-        for the first, then takes what is there; and the message that ends the stream, if it ended."""
+        """Up to ``quota`` handles that fit ``room`` bytes of a pipe, as ``(token, pickled (token,
+        handle))``: waits for the first, then takes what is there (one that does not fit waits in
+        ``_carry`` for the next burst); and the message that ends the stream, if it ended."""
         burst: list[tuple[Any, bytes]] = []
-        limit = min(self._room_bytes) // 2 - PAGE  # a handle's own message must fit half of any feed
+        used = 0
+        limit = min(self._room_bytes) // 4  # a handle's own message: it fits any hungry feed
         while len(burst) < quota and not self._stopped:
-            try:
-                got = self.source.take(0.0 if burst else TAKE_WAIT_S)
-            except _queue.Empty:
-                break
-            except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
-                return burst, (ERROR, exc, incarnation)
-            if got is None:
-                return burst, (END, incarnation)
-            token, storage = got
-            try:
-                data = bytes(ForkingPickler.dumps((token, storage)))
-            except Exception as exc:  # noqa: BLE001 - refused: the workers raise it in the trainer
-                self.source.fail([token])
-                return burst, (
-                    ERROR,
-                    TypeError(f"{storage!r} does not pickle ({exc}): it cannot reach a DataLoader worker"),
-                )
-            if len(data) + OVERHEAD > limit:
-                self.source.fail([token])
-                return burst, (
-                    ERROR,
-                    TypeError(
+            if self._carry is not None:
+                (token, data), self._carry = self._carry, None
+            else:
+                try:
+                    got = self.source.take(0.0 if burst else TAKE_WAIT_S)
+                except _queue.Empty:
+                    break
+                except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
+                    return burst, (ERROR, exc, incarnation)
+                if got is None:
+                    return burst, (END, incarnation)
+                token, storage = got
+                try:
+                    data = bytes(ForkingPickler.dumps((token, storage)))
+                except Exception as exc:  # noqa: BLE001 - refused: the workers raise it in the trainer
+                    self.source.fail([token])
+                    why = f"{storage!r} does not pickle ({exc}): it cannot reach a DataLoader worker"
+                    return burst, (ERROR, TypeError(why), incarnation)
+                if len(data) + OVERHEAD > limit:
+                    self.source.fail([token])
+                    why = (
                         f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a "
                         f"DataLoader worker (at most {limit - OVERHEAD}): a handle names where a sample is; "
                         "save the data itself"
-                    ),
-                    incarnation,
-                )
+                    )
+                    return burst, (ERROR, TypeError(why), incarnation)
+            if burst and _pages(used + len(data) + OVERHEAD) > room:
+                self._carry = (token, data)
+                break
             burst.append((token, data))
-            room -= len(data) + OVERHEAD
-            if room < limit + 2 * PAGE:
-                break  # the next one might not fit; the worker is far from hungry anyway
+            used += len(data) + OVERHEAD
         return burst, None
 
     def _finish(self, incarnation: int, msg: tuple) -> None:

@@ -190,6 +190,7 @@ class StorageDataset(IterableDataset[Any]):
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
         self._materialize = False  # set per iteration: see hooks.fetch_context
+        self._per_item = 1  # DataLoader-side batch size, the same way
         self._ledger: LedgerRef | None = None  # while a DataLoader starts its workers: see _tsl_attach_ledger
         self._writer: LedgerWriter | None = None  # this worker's end of it
 
@@ -391,7 +392,7 @@ class StorageDataset(IterableDataset[Any]):
         if not isinstance(src, ListSource):
             writer = self._writer_for() if worker is not None else None
             if writer is not None and writer.feed is not None:
-                pairs = writer.fed()  # the trainer takes from the source (see _dataloader.feed)
+                pairs = self._fed(writer)  # the trainer takes from the source (see _dataloader.feed)
             else:
                 pairs = src.iterate(rank * nw + wid, world * nw, family=str(self._owner))
             return self._iterate(pairs, nw if worker is not None else 0, None, writer)
@@ -418,7 +419,7 @@ class StorageDataset(IterableDataset[Any]):
         filler = self._filler_for(num_workers)
         in_worker = get_worker_info() is not None
         user_collates, per_item = hooks.fetch_context() if in_worker else (False, 1)
-        self._materialize = user_collates
+        self._materialize, self._per_item = user_collates, per_item
         if epoch is not None:
             for group in source:
                 self._yielded += 1  # counts the group even if it is skipped: resume continues after it
@@ -428,6 +429,11 @@ class StorageDataset(IterableDataset[Any]):
             self._epoch, self._yielded = epoch + 1, 0
             return
         yield from self._stream(filler, source, in_worker, per_item, writer)
+
+    def _fed(self, writer: LedgerWriter) -> Iterator[tuple[Any, Storage]]:
+        """What the trainer feeds this worker, asked for one DataLoader item's worth at a time (known
+        from the fetcher once iteration starts: this generator starts after ``_iterate`` asked)."""
+        yield from writer.fed((self.batch_size or 1) * self._per_item)
 
     def _stream(
         self,

@@ -4,9 +4,11 @@ Taking from a queue removes the handle before the taker can record it anywhere: 
 took a handle and was killed before telling the ledger would lose it, and one killed while
 waiting on a queue's lock would leave every other consumer waiting. So for a ``fed_from_trainer``
 source the trainer's ``tsl-feeder`` thread takes, records each handle as given to worker ``w``,
-and only then writes it to that worker's feed pipe, keeping each worker ``ahead`` handles ahead.
-A worker reads its pipe (``fed``) and reports what it read to the ledger as usual; whatever was
-given and not reported is still known to the trainer, and goes back when the iterator stops.
+and only then writes it to that worker's feed pipe. A worker asks for what its next item needs
+(``NEED`` on its ledger pipe) when it has nothing left, so handles go to the worker the trainer is
+waiting on, never to one that may not be asked for an item again; it reads its pipe (``FeedReader``)
+and reports what it read to the ledger as usual. Whatever was given and not reported is still
+known to the trainer, and goes back when the iterator stops.
 
 A feed carries ``("fed", [pickled (token, handle), ...])``, ``("end", incarnation)`` (the source
 ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
@@ -22,7 +24,7 @@ import fcntl
 import logging
 import queue as _queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -43,17 +45,18 @@ STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and
 class Feeder:
     """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
 
-    A write to a worker's feed never blocks: each feed holds at most ``ahead`` handles and what fits
-    in its pipe (sized for them, up to 1 MiB, where the system allows), counted by the page, less
-    room for the closing message; so the thread stops promptly even when a worker is dead or no
-    longer reads. A handle too large for that is refused: the stream ends with a ``TypeError``.
+    Workers are served in the order they asked (``need``). A write to a worker's feed never
+    blocks: a feed holds at most what fits in its pipe (sized for ``most`` handles, up to 1 MiB,
+    where the system allows), counted by the page, less room for the closing message; so the
+    thread stops promptly even when a worker is dead or no longer reads. A handle too large for
+    that is refused: the stream ends with a ``TypeError``.
     """
 
-    def __init__(self, source: Any, feeds: list[Any], *, ahead: int) -> None:
-        if ahead < 1:
-            raise ValueError(f"{ahead=} must be >= 1")
-        self.source, self._feeds, self.ahead = source, feeds, ahead
-        want = min(PIPE_MAX, max(16 * PAGE, ahead * HANDLE_BYTES * 2))
+    def __init__(self, source: Any, feeds: list[Any], *, most: int) -> None:
+        if most < 1:
+            raise ValueError(f"{most=} must be >= 1")
+        self.source, self._feeds = source, feeds
+        want = min(PIPE_MAX, max(16 * PAGE, most * HANDLE_BYTES * 2))
         self._room_bytes = []
         for f in feeds:
             capacity = _pipe_capacity(f, want)
@@ -65,6 +68,8 @@ class Feeder:
             )
         self._given: list[collections.deque[tuple[Any, int]]] = [collections.deque() for _ in feeds]
         self._bytes = [0] * len(feeds)  # of the messages given and not yet reported, per feed
+        self._want = [0] * len(feeds)  # handles asked for and not yet sent, per worker
+        self._asking: collections.deque[int] = collections.deque()  # workers with a want, oldest first
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
         self._stopped = False
@@ -74,6 +79,14 @@ class Feeder:
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the ledger
+    def need(self, worker: int, n: int) -> None:
+        """Worker ``worker`` has nothing left and asks for ``n`` handles (its next item's)."""
+        with self._cond:
+            if self._want[worker] == 0:
+                self._asking.append(worker)
+            self._want[worker] += n
+            self._cond.notify()
+
     def reported(self, worker: int, n: int) -> None:
         """Worker ``worker`` read ``n`` more handles off its feed (it told the ledger it took them)."""
         with self._cond:
@@ -115,15 +128,12 @@ class Feeder:
             feed.close()
 
     # ------------------------------------------------------------------ the thread
-    def _hungry(self) -> int | None:
-        """The worker with the fewest handles waiting, once one is down to half of ``ahead`` (and of
-        its pipe): feeds are topped up in bursts, so the thread wakes once per burst, not per handle."""
-        low = [
-            w
-            for w, given in enumerate(self._given)
-            if len(given) <= self.ahead // 2 and self._bytes[w] <= self._room_bytes[w] // 2
-        ]
-        return min(low, key=lambda w: len(self._given[w])) if low else None
+    def _asker(self) -> int | None:
+        """The worker that asked first among those whose feed has room (half its pipe) for a burst."""
+        for w in self._asking:
+            if self._bytes[w] <= self._room_bytes[w] // 2:
+                return w
+        return None
 
     def _run(self) -> None:
         try:
@@ -141,12 +151,12 @@ class Feeder:
 
     def _step(self) -> bool:
         with self._cond:
-            while not self._stopped and (self._done or (worker := self._hungry()) is None):
+            while not self._stopped and (self._done or (worker := self._asker()) is None):
                 self._cond.wait()
             if self._stopped:
                 return False
             incarnation = self._incarnation
-            quota = self.ahead - len(self._given[worker])
+            quota = self._want[worker]
             room = self._room_bytes[worker] - self._bytes[worker]
         burst, last = self._take(quota, room, incarnation)
         if burst:
@@ -157,6 +167,10 @@ class Feeder:
                     for i, (token, _) in enumerate(burst):  # before they are sent: a worker killed now loses nothing
                         self._given[worker].append((token, cost if i == 0 else 0))
                     self._bytes[worker] += cost
+                    self._want[worker] -= len(burst)
+                    if self._want[worker] <= 0:
+                        self._want[worker] = 0
+                        self._asking.remove(worker)
             if stopped:
                 self.source.give_back([t for t, _ in burst])
                 return False
@@ -248,37 +262,50 @@ def _pipe_capacity(conn: Any, want: int) -> int:
         return 65536  # POSIX guarantees less, but every system this runs on has at least this
 
 
-def fed(feed: Any, incarnation: int, trainer_pid: int, waiting: collections.deque) -> Iterator[tuple[Any, Any]]:
-    """Worker side: the ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``.
+class FeedReader:
+    """Worker side: one worker's feed, and what it read off it and did not yield yet.
 
-    ``waiting`` holds what was read off the feed and not yet yielded; it outlives this generator
-    (persistent workers start a new one each epoch), so nothing read is dropped. Ends at the
-    source's end (or the iterator's stop, or the trainer's death); raises what taking raised.
+    It outlives an iteration (persistent workers start a new one each epoch), so nothing read is
+    dropped, and a request still being served is not made twice. ``ask(n)`` sends the request.
     """
-    while True:
-        while waiting:
-            yield waiting.popleft()
-        if not feed.poll(TRAINER_CHECK_S):
-            if not pid_alive(trainer_pid):
+
+    def __init__(self, feed: Any, trainer_pid: int, ask: Callable[[int], None]) -> None:
+        self.feed, self._trainer_pid, self._ask = feed, trainer_pid, ask
+        self.waiting: collections.deque[tuple[Any, Any]] = collections.deque()
+        self.outstanding = 0  # asked for, not yet received
+        self.chunk = 1  # what one item takes: asked for at a time
+
+    def pairs(self, incarnation: int) -> Iterator[tuple[Any, Any]]:
+        """The ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``; ends at the
+        source's end (or the iterator's stop, or the trainer's death); raises what taking raised."""
+        while True:
+            while self.waiting:
+                yield self.waiting.popleft()
+            if self.outstanding <= 0:
+                self.outstanding = self.chunk
+                self._ask(self.chunk)
+            if not self.feed.poll(TRAINER_CHECK_S):
+                if not pid_alive(self._trainer_pid):
+                    return
+                continue
+            try:
+                msg = self.feed.recv()
+            except (EOFError, OSError):
                 return
-            continue
-        try:
-            msg = feed.recv()
-        except (EOFError, OSError):
-            return
-        kind = msg[0] if type(msg) is tuple and msg else None
-        if kind == FED and len(msg) == 2 and type(msg[1]) is list:
-            waiting.extend(_pair(data) for data in msg[1])
-        elif kind == END and len(msg) == 2:
-            if msg[1] >= incarnation:
+            kind = msg[0] if type(msg) is tuple and msg else None
+            if kind == FED and len(msg) == 2 and type(msg[1]) is list:
+                self.waiting.extend(_pair(data) for data in msg[1])
+                self.outstanding -= len(msg[1])
+            elif kind == END and len(msg) == 2:
+                if msg[1] >= incarnation:
+                    return
+            elif kind == STOP:
                 return
-        elif kind == STOP:
-            return
-        elif kind == ERROR and len(msg) == 3 and isinstance(msg[1], BaseException):
-            if msg[2] >= incarnation:  # an older epoch's error was raised there already
-                raise msg[1]
-        else:
-            raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")
+            elif kind == ERROR and len(msg) == 3 and isinstance(msg[1], BaseException):
+                if msg[2] >= incarnation:  # an older epoch's error was raised there already
+                    raise msg[1]
+            else:
+                raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")
 
 
 def _pair(data: Any) -> tuple[Any, Any]:

@@ -60,7 +60,6 @@ __all__ = [
 
 logger = logging.getLogger("torch_storage_loader")
 
-FEED_AHEAD = 8
 NEEDS = "torch >= 2.7.1 (the lowest release the suite passed on), with torchdata >= 0.8"
 
 collate = _collate.collate
@@ -188,15 +187,14 @@ def _open(loader: Any) -> Ledger | None:
         return None
     ctx = loader.multiprocessing_context or mp.get_context()
     ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
-    # A fed worker has handles for two of its items waiting (DataLoader items of dataset batches), and
-    # at least FEED_AHEAD: its feed is topped up when half empty, so the feeder wakes once per burst.
+    # What one DataLoader item of dataset batches takes: a fed worker asks for that much at a time.
     per_item = (loader.batch_size or 1) * (ds.batch_size or 1)
     ledger = Ledger(
         source,
         loader.num_workers,
         ctx,
         confirm=bool(getattr(loader, "confirm_delivery", False)),
-        ahead=max(FEED_AHEAD, 2 * per_item),
+        most=2 * per_item,
     )
     ds._tsl_attach_ledger(ledger.ref())
     return ledger

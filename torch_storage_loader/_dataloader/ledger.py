@@ -34,12 +34,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from .feed import Feeder, fed
+from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
 
-TAKE, DROP = "take", "drop"
+TAKE, DROP, NEED = "take", "drop", "need"
 MAX_UNCONFIRMED = 2
+MAX_NEED = 1 << 20  # the most handles a worker may ask for at once
 
 
 class Entry(NamedTuple):
@@ -78,7 +79,7 @@ class Ledger:
     sources whose entries expire (``keep_alive``: Redis claims idle entries after ``claim_after``).
     """
 
-    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, ahead: int = 2) -> None:
+    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1) -> None:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
         self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
@@ -103,7 +104,7 @@ class Ledger:
         if source.fed_from_trainer:
             feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
             self._feeds = [r for r, _ in feeds]
-            self._feeder = Feeder(source, [w for _, w in feeds], ahead=ahead)
+            self._feeder = Feeder(source, [w for _, w in feeds], most=most)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
 
@@ -173,10 +174,19 @@ class Ledger:
 
     def _note(self, worker: int, msg: Any) -> None:
         """Record one message of a worker's pipe; one that is not an ``Entry`` is logged and ignored."""
-        if not (type(msg) in (Entry, tuple) and len(msg) == 4 and msg[0] in (TAKE, DROP) and type(msg[3]) is list):
+        if not (
+            type(msg) in (Entry, tuple) and len(msg) == 4 and msg[0] in (TAKE, DROP, NEED) and type(msg[3]) is list
+        ):
             logger.warning("worker %d wrote a message that is not a ledger entry; ignored", worker)
             return
         msg = Entry._make(msg)
+        if msg.kind == NEED:
+            n = msg.tokens[0] if len(msg.tokens) == 1 else None
+            if self._feeder is not None and type(n) is int and 1 <= n <= MAX_NEED:
+                self._feeder.need(worker, n)
+            else:
+                logger.warning("worker %d asked for %r handles; ignored", worker, msg.tokens[:2])
+            return
         taken = self._taken.setdefault(ItemKey(worker, msg.incarnation, msg.item), [])
         if msg.kind == TAKE:
             taken.extend(msg.tokens)
@@ -315,15 +325,22 @@ class LedgerWriter:
 
     def __init__(self, ledger_id: str, conn: Any, feed: Any = None, trainer_pid: int = 0) -> None:
         self.ledger_id, self._conn, self.incarnation = ledger_id, conn, -1
-        self.feed, self._trainer_pid = feed, trainer_pid
-        self._fed_waiting: collections.deque = collections.deque()  # read off the feed, not yet taken
+        self.feed = None if feed is None else FeedReader(feed, trainer_pid, self._need)
 
     def restart(self) -> None:
         self.incarnation += 1
 
-    def fed(self) -> Iterator[tuple[Any, Any]]:
-        """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
-        return fed(self.feed, self.incarnation, self._trainer_pid, self._fed_waiting)
+    def fed(self, chunk: int) -> Iterator[tuple[Any, Any]]:
+        """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation, asked
+        for ``chunk`` (what one item takes) at a time."""
+        assert self.feed is not None  # a fed source's writer
+        # Two items' worth (at least four handles) per request: a round trip to the trainer per
+        # two items, and never more than two items' worth held beyond what the worker is asked for.
+        self.feed.chunk = max(4, 2 * chunk)
+        return self.feed.pairs(self.incarnation)
+
+    def _need(self, n: int) -> None:
+        self._conn.send(Entry(NEED, self.incarnation, 0, [n]))
 
     def took(self, item: int, tokens: list) -> None:
         self._conn.send(Entry(TAKE, self.incarnation, item, tokens))

@@ -181,6 +181,19 @@ def test_consumers_killed_while_waiting_do_not_stop_the_others(tmp_path):
             c.join()
 
 
+def test_an_open_queue_feeds_the_worker_the_trainer_waits_on(tmp_path):
+    """Handles go to workers as they ask: none sits with a worker the trainer is not waiting on
+    while the one it waits on has none (8 handles, 8 items, the stream still open)."""
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files", n=8):
+        q.put(s)
+    it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=30))
+    got = [i for _ in range(8) for i in _ids(next(it))]
+    assert sorted(got) == list(range(8))
+    q.close()
+    assert list(it) == []
+
+
 def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
     """The trainer feeds its workers through pipes that never block it: a "handle" that carries
     megabytes is refused with an error naming it, and the handles around it still arrive."""

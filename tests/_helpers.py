@@ -367,3 +367,39 @@ class TinyCounting(Tiny):
         if self.record_dir is not None:
             with open(os.path.join(self.record_dir, f"rank{self.global_rank}.batches"), "w") as f:
                 f.write(f"{self.trainer.num_training_batches} {self.trainer.global_step}")
+
+
+def run_script(source: str, cwd, *, timeout: float = 120, env: dict | None = None, args: tuple = ()):
+    """Run ``source`` the way a user runs an example: saved as ``example.py`` and started with
+    ``python example.py`` in ``cwd`` (its own session, so a hang is killed with every process it
+    started). Returns the ``subprocess.CompletedProcess``; a run past ``timeout`` seconds is a
+    test failure that shows what the script printed so far.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(cwd) / "example.py"
+    path.write_text(source)
+    proc = subprocess.Popen(
+        [sys.executable, str(path), *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"example.py still ran after {timeout} s (a hang):\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}")
+    try:  # whatever the script started and left behind is a leak of the example's
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -67,3 +67,36 @@ def test_directory_stream_started_anew_each_run_delivers_each_run(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         assert f"samples 200 distinct 200 range {start} {start + 199}" in run.stdout, run.stdout
     assert os.listdir(tmp_path / "incoming") == ["_END_OF_STREAM"]
+
+
+# A trainer gets a handle from a collector on another machine, whose file is on that machine's disk.
+REMOTE = """
+import pickle
+import sys
+
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import StorageDataset
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        handle = pickle.load(f)  # as it came over the network from the collector
+    for batch in DataLoader(StorageDataset([handle]), batch_size=None, num_workers=2):
+        print("loaded", batch)
+"""
+
+
+def test_a_handle_whose_path_is_on_another_machine_says_so(tmp_path):
+    """The error names the missing directory and points at a shared filesystem or Redis + object
+    storage; it does not blame an expired ttl."""
+    import pickle
+
+    from torch_storage_loader import FileStorage
+
+    elsewhere = FileStorage(str(tmp_path / "collector-7" / "replay" / "0001.tsl"))
+    (tmp_path / "handle.pkl").write_bytes(pickle.dumps(elsewhere))
+    run = _helpers.run_script(REMOTE, tmp_path, timeout=120, args=("handle.pkl",))
+    assert run.returncode != 0 and "StorageNotFoundError" in run.stderr, run.stdout + run.stderr[-3000:]
+    tail = run.stderr[run.stderr.rindex("StorageNotFoundError") :]
+    assert str(tmp_path / "collector-7" / "replay") + " does not exist on this machine" in tail, tail
+    assert "shared filesystem" in tail and "s3://" in tail and "Redis" in tail and "raise ttl" not in tail, tail

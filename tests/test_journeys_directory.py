@@ -29,9 +29,8 @@ def collect(directory, start, count):
 
 if __name__ == "__main__":
     directory, start = "incoming", int(sys.argv[1]){start_stream}
-    dataset = StorageDataset(directory, batch_size=10)
-    collector = mp.Process(target=collect, args=(directory, start, 200))
-    collector.start()
+    collector = mp.Process(target=collect, args=(directory, start, 200)){dataset_first}
+    collector.start(){collector_first}
     seen = []
     for batch in DataLoader(dataset, batch_size=None, num_workers=2):
         seen += [int(v) for v in batch["x"][:, 0]]
@@ -39,6 +38,8 @@ if __name__ == "__main__":
     print("samples", len(seen), "distinct", len(set(seen)), "range", min(seen, default=-1), max(seen, default=-1))
 """
 
+DATASET = """
+    dataset = StorageDataset(directory, batch_size=10)"""
 START_STREAM = """
     start_directory_stream(directory)  # this run is a new stream: clear the previous run's end marker"""
 
@@ -47,7 +48,7 @@ def test_directory_stream_run_twice_refuses_at_once_naming_the_marker(tmp_path):
     """Run twice on one directory: the first run's end marker is still there. The second run must not
     end at 0 samples in silence: it refuses at once (before its collector starts), naming the marker
     and how to start a new stream."""
-    script = ROAD.format(extra_import="", start_stream="")
+    script = ROAD.format(extra_import="", start_stream="", dataset_first=DATASET, collector_first="")
     first = _helpers.run_script(script, tmp_path, timeout=120, args=("0",))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "samples 200 distinct 200 range 0 199" in first.stdout, first.stdout
@@ -58,10 +59,28 @@ def test_directory_stream_run_twice_refuses_at_once_naming_the_marker(tmp_path):
     assert marker in second.stderr and "start_directory_stream" in second.stderr, second.stderr[-3000:]
 
 
+def test_directory_stream_run_twice_collector_first_never_ends_short_in_silence(tmp_path):
+    """The same, with the collector started before the dataset is made: by then it may have saved none,
+    some or all of its files. The second run either gets all 200 new files (the collector had ended
+    its stream again) or refuses at once; never 0, never a part, without an error."""
+    script = ROAD.format(extra_import="", start_stream="", dataset_first="", collector_first=DATASET)
+    first = _helpers.run_script(script, tmp_path, timeout=120, args=("0",))
+    assert first.returncode == 0 and "samples 200 distinct 200 range 0 199" in first.stdout, first.stderr[-3000:]
+    second = _helpers.run_script(script, tmp_path, timeout=120, args=("1000",))
+    if second.returncode == 0:
+        assert "samples 200 distinct 200 range 1000 1199" in second.stdout, second.stdout
+    else:
+        assert "StreamEndedError" in second.stderr and "start_directory_stream" in second.stderr, second.stderr[-3000:]
+        saved = [n for n in os.listdir(tmp_path / "incoming") if n.endswith(".tsl")]
+        assert len(saved) == 200, "refused: the collector's files all stay for a consumer of the new stream"
+
+
 def test_directory_stream_started_anew_each_run_delivers_each_run(tmp_path):
     """The documented fix: a run that calls ``start_directory_stream(directory)`` before its collectors
     and consumers start gets its own files, every time."""
-    script = ROAD.format(extra_import=", start_directory_stream", start_stream=START_STREAM)
+    script = ROAD.format(
+        extra_import=", start_directory_stream", start_stream=START_STREAM, dataset_first=DATASET, collector_first=""
+    )
     for start in (0, 1000):
         run = _helpers.run_script(script, tmp_path, timeout=120, args=(str(start),))
         assert run.returncode == 0, run.stderr[-3000:]

@@ -29,8 +29,10 @@ from torch_storage_loader import (
     StorageDataset,
     StorageNotFoundError,
     StorageUnavailableError,
+    StreamEndedError,
     configure_object_store,
     end_directory_stream,
+    start_directory_stream,
 )
 from torch_storage_loader._stores import objects as _objects
 
@@ -199,6 +201,30 @@ def test_prefix_stream_stops_early_then_drains_exactly_once(s3_server, s3_bucket
     seen += [int(x["info"]["id"]) for x in DataLoader(ds, batch_size=None, num_workers=2)]
     assert sorted(seen) == list(range(40))
     assert [e.url.rsplit("/", 1)[-1] for e in _objects.listing(prefix)] == ["_END_OF_STREAM"]
+
+
+def test_a_drained_prefix_stream_is_refused_until_started_anew(s3_server, s3_bucket):
+    """Run again under the same prefix, a stream whose end marker an earlier run left is refused at
+    once (the old code: a dataset that yields 0 samples in silence); ``start_directory_stream`` clears it."""
+    prefix, options = f"s3://{s3_bucket}/again", s3_server.storage_options
+
+    def stream(tag: int) -> None:
+        with FileStorageLoader(prefix, ttl=None, worker_num=1, storage_options=options) as loader:
+            loader.save(traj(tag))
+        end_directory_stream(prefix)
+
+    def ids() -> list[int]:
+        ds = StorageDataset(prefix, storage_options=options)
+        return [int(x["info"]["id"]) for x in DataLoader(ds, batch_size=None, num_workers=0)]
+
+    stream(0)
+    assert ids() == [0]
+    with pytest.raises(StreamEndedError, match="start_directory_stream") as info:
+        ids()
+    assert info.value.path == f"{prefix}/_END_OF_STREAM" and info.value.path in str(info.value)
+    assert start_directory_stream(prefix) is True
+    stream(1)
+    assert ids() == [1]
 
 
 def test_prefix_claims_are_exclusive_between_consumers(s3_server, s3_bucket):

@@ -1,11 +1,23 @@
 """Every streaming source keeps one contract; a directory source on a URL is still a DirectorySource."""
 
+import os
 import pickle
 import queue
+import time
 
 import pytest
+from conftest import traj
+from torch.utils.data import DataLoader
 
-from torch_storage_loader import DirectorySource, StorageQueue
+from torch_storage_loader import (
+    DirectorySource,
+    FileStorage,
+    StorageDataset,
+    StorageQueue,
+    StreamEndedError,
+    end_directory_stream,
+    start_directory_stream,
+)
 from torch_storage_loader._sources import ListSource, PrefixSource, QueueSource, Source, as_source
 
 
@@ -30,3 +42,53 @@ def test_directory_source_on_a_url_is_a_directory_source_that_claims_objects():
     assert (source.path, source.poll_interval, source.ack_in_background) == ("s3://bucket/prefix", 0.5, True)
     again = pickle.loads(pickle.dumps(source))
     assert type(again) is PrefixSource and again.path == source.path
+
+
+# ------------------------------------------------------------- an end marker left by an earlier stream
+def _save(directory, *tags: int) -> None:
+    for tag in tags:
+        FileStorage(os.path.join(directory, f"{tag:04d}.tsl")).save(traj(tag))
+
+
+def _ids(source) -> list[int]:
+    return [int(x["info"]["id"]) for x in DataLoader(StorageDataset(source), batch_size=None, num_workers=0)]
+
+
+def test_a_drained_stream_is_refused_at_once_naming_the_marker_and_the_fix(tmp_path):
+    _save(tmp_path, 0, 1)
+    end_directory_stream(tmp_path)
+    assert _ids(str(tmp_path)) == [0, 1]
+    marker = str(tmp_path / "_END_OF_STREAM")
+    with pytest.raises(StreamEndedError, match="start_directory_stream") as info:
+        StorageDataset(str(tmp_path))  # the old code: a dataset that yields 0 samples, no warning
+    assert info.value.path == marker and marker in str(info.value)
+    assert "delivered before this consumer started" in str(info.value)
+    assert start_directory_stream(tmp_path) is True and start_directory_stream(tmp_path) is False
+    _save(tmp_path, 2)
+    end_directory_stream(tmp_path)
+    assert _ids(str(tmp_path)) == [2]
+
+
+def test_files_saved_after_the_end_marker_are_refused_not_left_behind(tmp_path):
+    _save(tmp_path, 0)
+    end_directory_stream(tmp_path)
+    time.sleep(0.05)  # past the filesystem clock's tick (a few ms)
+    _save(tmp_path, 1)  # a new stream's producer, while the old marker is still there
+    with pytest.raises(StreamEndedError, match=r"'0001\.tsl' was saved after it"):
+        StorageDataset(DirectorySource(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["0000.tsl", "0001.tsl", "_END_OF_STREAM"]  # nothing touched
+
+
+def test_an_ended_stream_with_files_saved_before_its_marker_drains(tmp_path):
+    """The normal end: a consumer that starts after the producers ended the stream still gets every file;
+    and a stream ended again (the marker rewritten after new saves) is that normal end too."""
+    _save(tmp_path, 0, 1)
+    end_directory_stream(tmp_path)
+    assert _ids(tmp_path) == [0, 1]
+    start_directory_stream(tmp_path)
+    _save(tmp_path, 2)
+    end_directory_stream(tmp_path)
+    _save(tmp_path, 3)
+    time.sleep(0.05)
+    end_directory_stream(tmp_path)  # rewritten: newer than every file it ends
+    assert _ids(tmp_path) == [2, 3]

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torch_storage_loader import FileStorage, UnsupportedLeafError
+from torch_storage_loader import FileStorage, StorageNotFoundError, UnsupportedLeafError
 
 NUMPY_DTYPES = [
     "bool",
@@ -170,3 +170,21 @@ def test_errors_pickle_with_attributes():
     exc = UnsupportedLeafError("bad leaf", key_path="['a']")
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is UnsupportedLeafError and str(back) == "bad leaf" and back.key_path == "['a']"
+
+
+def test_a_handle_from_another_machine_says_so_not_ttl(tmp_path):
+    """A path whose directory does not exist here names a file on the machine that saved it: the error
+    points at a shared filesystem or object storage (the old message blamed an expired ttl)."""
+    elsewhere = tmp_path / "collector-7" / "run" / "0001.tsl"
+    with pytest.raises(StorageNotFoundError) as info:
+        FileStorage(elsewhere).load()
+    message = str(info.value)
+    assert info.value.path == str(elsewhere) and str(elsewhere.parent) in message
+    assert "does not exist on this machine" in message and "shared filesystem" in message
+    assert "s3://" in message and "RedisStorageQueue" in message and "ttl" not in message
+
+
+def test_a_file_gone_from_its_directory_still_points_at_ttl(tmp_path):
+    with pytest.raises(StorageNotFoundError, match="raise ttl") as info:
+        FileStorage(tmp_path / "0001.tsl").load()
+    assert "another machine" not in str(info.value) and "this machine" not in str(info.value)

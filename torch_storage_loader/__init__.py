@@ -58,6 +58,7 @@ __all__ = [
     "StorageNotFoundError",
     "StorageQueue",
     "StorageUnavailableError",
+    "StreamEndedError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "UnsupportedTorchError",
@@ -66,6 +67,7 @@ __all__ = [
     "configure_object_store",
     "end_directory_stream",
     "register_storage_type",
+    "start_directory_stream",
 ]
 
 

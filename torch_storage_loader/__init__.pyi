@@ -3,6 +3,7 @@
 from ._format.codec import register_storage_type as register_storage_type
 from ._sources import DirectorySource as DirectorySource
 from ._sources import end_directory_stream as end_directory_stream
+from ._sources import start_directory_stream as start_directory_stream
 from ._sources.prefix import PrefixSource as PrefixSource
 from ._stores.objects import configure_object_store as configure_object_store
 from .dataset import StorageDataset as StorageDataset
@@ -23,6 +24,7 @@ from .errors import StorageCorruptError as StorageCorruptError
 from .errors import StorageError as StorageError
 from .errors import StorageNotFoundError as StorageNotFoundError
 from .errors import StorageUnavailableError as StorageUnavailableError
+from .errors import StreamEndedError as StreamEndedError
 from .errors import UnregisteredStorageTypeError as UnregisteredStorageTypeError
 from .errors import UnsupportedLeafError as UnsupportedLeafError
 from .errors import UnsupportedTorchError as UnsupportedTorchError

@@ -33,7 +33,7 @@ from ._shm import device as _device
 from ._shm.alloc import check_slot_options
 from ._shm.filling import LocalFiller, SlotFiller
 from ._shm.segments import default_shm_budget
-from ._sources import ListSource, Source, as_source, end_directory_stream
+from ._sources import DirectorySource, ListSource, Source, as_source, end_directory_stream
 from ._stores import objects as _objects
 from .storage import Storage
 
@@ -118,6 +118,8 @@ class StorageDataset(IterableDataset[Any]):
         TypeError: An option has the wrong type, or ``source`` is none of the kinds above.
         ValueError: An option is out of range, ``collate_fn`` is given without ``batch_size``,
             ``shuffle=True`` with a streaming source, or ``storage_options`` with no bucket to apply to.
+        StreamEndedError: ``source`` is a directory or prefix whose stream had ended before this
+            dataset was made (see ``DirectorySource.check_start``): call ``start_directory_stream``.
 
     Examples:
         >>> import torch
@@ -166,6 +168,8 @@ class StorageDataset(IterableDataset[Any]):
             for bucket in self._buckets(roots):
                 _objects.configure_object_store(bucket, storage_options)
         self._object_stores = _objects.snapshot()  # reaches the DataLoader workers with the dataset
+        if isinstance(self.source, DirectorySource):
+            self.source.check_start()  # once, here: an ended stream is refused before any worker starts
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = collate_fn

@@ -27,6 +27,7 @@ __all__ = [
     "StorageError",
     "StorageNotFoundError",
     "StorageUnavailableError",
+    "StreamEndedError",
     "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "UnsupportedTorchError",
@@ -144,6 +145,12 @@ class RedisUnavailableError(StorageError, ConnectionError):
 
 class StorageUnavailableError(StorageError, ConnectionError):
     """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+
+
+class StreamEndedError(StorageError, RuntimeError):
+    """A consumer would start on a directory (or object-store prefix) stream that has already ended: its
+    end marker is there and every file it ended was delivered, or files were saved after it. ``path``
+    names the marker; ``start_directory_stream`` removes it, so a new stream can start."""
 
 
 class SampleTooLargeForDeviceError(StorageError, MemoryError):

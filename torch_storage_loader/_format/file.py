@@ -399,17 +399,31 @@ def read_header(fd: int, path: str) -> Header:
     return parse_header(raw, path, size)
 
 
+def _not_found(path: str) -> str:
+    """Why ``path`` is not there, and what to do: a handle whose directory does not exist on this
+    machine names a file on the machine that saved it; one whose directory exists lost its file."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        return (
+            f"{path}: no such storage file, and its directory {directory} does not exist on this machine. "
+            "A handle names a path on the machine that saved it: to load on other machines, save into a "
+            "shared filesystem mounted at the same path on every machine, or into object storage "
+            "(FileStorageLoader('s3://bucket/prefix')) with the handles passed through Redis "
+            "(RedisStorageQueue); or the directory was removed, or a relative path meant another working directory"
+        )
+    return (
+        f"{path}: no such storage file; it was deleted (a FileStorageLoader's ttl expired, or it "
+        "was shut down) or never written: raise ttl, or load before it expires"
+    )
+
+
 def open_storage(path: str) -> int:
     """Open a storage file to read: never through a symbolic link, never blocking (a FIFO), and
     only if it is a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
-        raise StorageNotFoundError(
-            f"{path}: no such storage file; it was deleted (a FileStorageLoader's ttl expired, or it "
-            "was shut down) or never written: raise ttl, or load before it expires",
-            path=path,
-        ) from None
+        raise StorageNotFoundError(_not_found(path), path=path) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedStorageError(

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..queue import StorageQueue
 from ..storage import Storage
 from .directory import DirectorySource
-from .end import END_OF_STREAM, end_directory_stream
+from .end import END_OF_STREAM, end_directory_stream, start_directory_stream
 from .listed import ListSource
 from .prefix import PrefixSource
 from .queued import QueueSource
@@ -36,6 +36,7 @@ __all__ = [
     "SourceProvider",
     "as_source",
     "end_directory_stream",
+    "start_directory_stream",
 ]
 
 

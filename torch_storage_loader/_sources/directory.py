@@ -14,9 +14,10 @@ from .._format.names import DIR_CLAIM as CLAIM
 from .._format.names import FAILED, LOADED, SUFFIX
 from .._stores import objects as _objects
 from .._workers.proc import parse_pid
+from ..errors import StreamEndedError
 from ..storage import FileStorage, Storage
 from .claims import Claim, Owner, Scan, claim_loop
-from .end import END_OF_STREAM
+from .end import END_OF_STREAM, marker_path
 
 __all__ = ["CLAIM", "ClaimedName", "DirectorySource", "parse_claim"]
 
@@ -35,6 +36,9 @@ class DirectorySource:
     the stream with ``end_directory_stream(path)``: consumers stop once the marker exists and no
     file is unclaimed or claimed by another live trainer. Producers should save with
     ``FileStorageLoader(path, ttl=None)`` so that nothing is deleted before it is delivered.
+    The marker stays: a stream that starts again in the same directory begins with
+    ``start_directory_stream(path)``, and a ``StorageDataset`` refuses to start on an ended stream
+    (``StreamEndedError``, see ``check_start``) rather than stop at once with nothing.
 
     Whoever can write into the directory is not trusted: a name that cannot be claimed (too long
     to rename, say) and a claim whose name does not parse (``HOST-TRAINER-PID``, ASCII digits in
@@ -134,6 +138,57 @@ class DirectorySource:
         names = self._names()
         unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".") and n not in self._refused]
         return Scan(os.path.exists(os.path.join(self.path, END_OF_STREAM)), unclaimed, names)
+
+    def check_start(self) -> None:
+        """Refuse to start consuming a stream that ended before this consumer came.
+
+        The end marker says "stop once nothing is left". Left by an earlier stream (the same script run
+        again, say), it would stop a consumer of the new stream at once with nothing, or midway, with
+        the new files that land later left unread. So the stream is refused when its marker is there
+        and either nothing is left to deliver (no unclaimed file, no claim) or a file was saved after
+        the marker; a marker with undelivered files saved before it is the normal end, and they are
+        drained. A ``StorageDataset`` calls this once, when it is made (not per epoch or worker).
+
+        Raises:
+            StreamEndedError: the stream had ended; the message names the marker and
+                ``start_directory_stream``. Nothing is read, claimed or deleted.
+        """
+        scan = self._scan()
+        if not scan.ended:
+            return
+        after = self._saved_after_end(scan)
+        if after is not None:
+            why = f"{after!r} was saved after it, so it belongs to a stream that started since"
+        elif not scan.unclaimed and not self._claimed(scan):
+            why = "every file of that stream was delivered before this consumer started"
+        else:
+            return
+        marker = marker_path(self.path)
+        raise StreamEndedError(
+            f"{marker}: the stream in {self.path} has ended ({why}); a consumer started now would stop at "
+            f"once, or midway, and leave the files saved after that marker unread. To stream through the same "
+            f"place again, call start_directory_stream({self.path!r}) before the new stream's producers and "
+            "consumers start (it removes the marker), or save each stream into a directory of its own",
+            path=marker,
+        )
+
+    def _saved_after_end(self, scan: Scan) -> str | None:
+        """An unclaimed file modified after the end marker (by the filesystem's clock), or None."""
+        try:
+            end = os.stat(os.path.join(self.path, END_OF_STREAM)).st_mtime_ns
+        except FileNotFoundError:
+            return None
+        for name in reversed(scan.unclaimed):  # saved names sort in save order: the newest first
+            try:
+                if os.stat(os.path.join(self.path, name), follow_symlinks=False).st_mtime_ns > end:
+                    return name
+            except FileNotFoundError:
+                continue  # claimed meanwhile
+        return None
+
+    def _claimed(self, scan: Scan) -> bool:
+        """Whether any name listed is a claim (a file some trainer holds, or will give back)."""
+        return any(CLAIM in name for name in scan.listing)
 
     def _claims_in(self, scan: Scan) -> list[Claim]:
         """The valid claims among the names listed; the others are refused."""

@@ -59,7 +59,8 @@ class PrefixSource(DirectorySource, for_urls=True):
     """Objects a ``FileStorageLoader("s3://bucket/prefix")`` publishes, as they land (see the module).
 
     Consumers stop once ``end_directory_stream(prefix)`` was called and no object is unclaimed or
-    claimed by another live trainer. Claims of a trainer that died on this host are deleted (so
+    claimed by another live trainer; ``start_directory_stream(prefix)`` starts a new stream under a
+    prefix whose marker an earlier one left (``check_start`` refuses it until then). Claims of a trainer that died on this host are deleted (so
     given back) by the next consumer that runs out of objects; those of a trainer that died on
     another host stay until deleted by hand (``NAME.claim``). A claim whose body is over 4 KiB or
     does not name its owner exactly (see ``parse_claim_body``) is ignored and counted (``refused``)
@@ -103,6 +104,14 @@ class PrefixSource(DirectorySource, for_urls=True):
             if name.endswith(SUFFIX) and not any(name + m in entries for m in (CLAIM, FAILED, LOADED))
         ]
         return Scan(END_OF_STREAM in entries, unclaimed, entries)
+
+    def _saved_after_end(self, scan: Scan) -> str | None:
+        """An unclaimed object published after the end marker (by the store's clock), or None."""
+        end = scan.listing[END_OF_STREAM].mtime
+        return next((e.url.rsplit("/", 1)[-1] for e in reversed(scan.unclaimed) if e.mtime > end), None)
+
+    def _claimed(self, scan: Scan) -> bool:
+        return any(name.endswith(CLAIM) and name[: -len(CLAIM)] in scan.listing for name in scan.listing)
 
     def _claims_in(self, scan: Scan) -> list[Claim]:
         """The claims among the objects listed whose bodies name their owner (claims that vanish are

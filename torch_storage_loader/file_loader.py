@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 from ._format.names import new_file_name  # re-exported: file_loader.new_file_name stays
+from ._options import check_option
 from ._stores import clean as _clean
 from ._stores import objects as _objects
 from .errors import StorageError
@@ -88,6 +89,7 @@ class FileStorageLoader(StorageLoader):
         **loader_options: Passed to ``StorageLoader`` (``slots_per_worker``, ``max_shm_bytes``, ...).
 
     Raises:
+        TypeError: An option has the wrong type (the message names it and the type expected).
         ValueError: ``ttl`` is not positive, or ``storage_options``/``retry_timeout`` are given for a
             local directory.
     """
@@ -105,8 +107,15 @@ class FileStorageLoader(StorageLoader):
         retry_timeout: float | None = None,
         **loader_options: Any,
     ) -> None:
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"{ttl=} must be > 0, or None to keep files forever")
+        check_option("ttl", ttl, float, above=0, none="to keep files forever")
+        for name, value in [
+            ("allow_pickle", allow_pickle),
+            ("fsync", fsync),
+            ("remove_on_shutdown", remove_on_shutdown),
+        ]:
+            check_option(name, value, bool)
+        if retry_timeout is not None:
+            check_option("retry_timeout", retry_timeout, float, least=0)
         dirname = os.fspath(dirname)
         self.remote = _objects.is_url(dirname)
         if not self.remote and (storage_options or retry_timeout is not None):

@@ -69,7 +69,7 @@ class LoaderStats(Mapping[str, Any]):
         queue_wait_s: The total time, in seconds, they waited.
         pending: Loads not yet delivered.
         expired: Files deleted by the TTL cleaner (``FileStorageLoader``).
-        expired_unloaded: Of those, files this loader never loaded.
+        expired_unloaded: Of those, this loader's own files nobody loaded (see ``FileStorageLoader``).
     """
 
     loads: int = 0

@@ -77,7 +77,8 @@ def test_handles_outlive_the_producer_that_saved_them(tmp_path):
 
 
 def test_files_expire_after_their_ttl_but_not_while_their_load_is_queued(tmp_store):
-    with FileStorageLoader(tmp_store, ttl=0.3, worker_num=1, max_inflight_per_worker=1) as loader:
+    never_loaded = pytest.warns(UserWarning, match=r"^1 file FileStorageLoader\(.*before anyone loaded them")
+    with never_loaded, FileStorageLoader(tmp_store, ttl=0.3, worker_num=1, max_inflight_per_worker=1) as loader:
         loader.load_async(MemoryStorage(traj(0))).result(timeout=60)  # start the worker
         unloaded = loader.save(traj(1))
         pinned = loader.save(traj(2))
@@ -227,3 +228,75 @@ def test_a_forked_child_never_deletes_the_parents_files(tmp_store):
     finally:
         loader.shutdown()
     assert not any(os.path.exists(h.path) for h in handles)  # the parent's own shutdown still removes them
+
+
+# Issue 28: files that expired before anyone loaded them were deleted in silence; the user only saw
+# a StorageNotFoundError at the load that came too late.
+UNLOADED = r"5 files FileStorageLoader\(.*\) saved were deleted by its ttl=1 s before anyone loaded them"
+
+
+def _expiry_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "before anyone loaded them" in str(w.message)]
+
+
+def test_files_that_expire_unloaded_are_warned_about_once_per_loader(tmp_store):
+    with (
+        pytest.warns(UserWarning, match=UNLOADED) as record,
+        FileStorageLoader(tmp_store, ttl=1, worker_num=1) as loader,
+    ):
+        handles = [loader.save(traj(i)) for i in range(5)]
+        wait_until(lambda: not any(os.path.exists(h.path) for h in handles), "the ttl deleted nothing")
+        wait_until(lambda: _expiry_warnings(record), "no warning")
+        late = [loader.save(traj(i)) for i in range(2)]  # expire unloaded too: counted, not warned again
+        wait_until(lambda: not any(os.path.exists(h.path) for h in late), "the ttl deleted nothing")
+        assert loader.stats().expired_unloaded == 7
+    (message,) = _expiry_warnings(record)
+    assert "raise ttl=" in message and "expired_unloaded" in message
+
+
+def test_files_loaded_in_time_are_not_warned_about(tmp_store):
+    with FileStorageLoader(tmp_store, ttl=1, worker_num=1) as loader:
+        handles = [loader.save(traj(i)) for i in range(3)]
+        for i, handle in enumerate(handles):
+            assert_same(traj(i), loader.load_async(handle).result(timeout=60))
+        wait_until(lambda: not any(os.path.exists(h.path) for h in handles), "the ttl deleted nothing")
+        stats = loader.stats()
+    assert stats.expired == 3 and stats.expired_unloaded == 0  # and no warning (an error under pytest)
+
+
+def test_files_another_loader_loaded_are_not_warned_about(tmp_store):
+    # A collector saves and hands the handles on; a learner's loader (here another loader, whose
+    # workers are other processes) loads them. The collector's loader never loads, yet its files
+    # were read: no warning.
+    with FileStorageLoader(tmp_store, ttl=1, worker_num=1) as collector:
+        handles = [collector.save(traj(i)) for i in range(3)]
+        with FileStorageLoader(tmp_store, ttl=None, worker_num=1) as learner:
+            for i, handle in enumerate(handles):
+                assert_same(traj(i), learner.load_async(handle).result(timeout=60))
+        wait_until(lambda: not any(os.path.exists(h.path) for h in handles), "the ttl deleted nothing")
+        stats = collector.stats()
+    assert stats.expired == 3 and stats.expired_unloaded == 0
+
+
+LOAD_TOO_LATE = """
+import time
+import numpy as np
+from torch_storage_loader import FileStorageLoader, StorageNotFoundError
+
+if __name__ == "__main__":
+    with FileStorageLoader("replay", ttl=1, worker_num=1) as loader:
+        handles = [loader.save({"x": np.full(4, i)}) for i in range(5)]
+        time.sleep(2.5)
+        try:
+            loader.load_async(handles[0]).result(timeout=60)
+        except StorageNotFoundError:
+            print("not found")
+"""
+
+
+def test_a_script_that_loads_too_late_is_told_how_many_files_expired_and_which_ttl_to_raise(tmp_path):
+    from _helpers import run_script
+
+    done = run_script(LOAD_TOO_LATE, tmp_path, timeout=120)
+    assert done.returncode == 0 and done.stdout == "not found\n", done.stderr
+    assert "UserWarning: 5 files FileStorageLoader('" in done.stderr and "ttl=1 s" in done.stderr, done.stderr

@@ -711,24 +711,26 @@ def test_local_unlinks_run_outside_the_loaders_locks(tmp_path, monkeypatch):
 
     a = FileStorageLoader(tmp_path, ttl=0.5, worker_num=1)
     b = FileStorageLoader(tmp_path, ttl=0.5, worker_num=1)
-    try:
-        for i in range(3):
-            a.save(traj(i))
-        leftover = tmp_path / f"{0:020d}-1-0123456789ab.tsl"  # another (ended) process's old file
-        FileStorage(leftover).save(traj(9))
-        os.utime(leftover, (1, 1))
-        held = []
-        real_remove = _clean.os.remove
+    # a's files expire unread: it warns once, from a sweep or at shutdown.
+    with pytest.warns(UserWarning, match="3 files .* before anyone loaded them"):
+        try:
+            for i in range(3):
+                a.save(traj(i))
+            leftover = tmp_path / f"{0:020d}-1-0123456789ab.tsl"  # another (ended) process's old file
+            FileStorage(leftover).save(traj(9))
+            os.utime(leftover, (1, 1))
+            held = []
+            real_remove = _clean.os.remove
 
-        def remove(path):
-            held.append([lk.locked() for lk in (a._files_lock, b._files_lock)])
-            return real_remove(path)
+            def remove(path):
+                held.append([lk.locked() for lk in (a._files_lock, b._files_lock)])
+                return real_remove(path)
 
-        monkeypatch.setattr(_clean.os, "remove", remove)
-        time.sleep(0.6)
-        a.clean_expired()
-        assert held and not any(any(h) for h in held), f"unlinked under a loader's lock: {held}"
-    finally:
-        monkeypatch.undo()
-        a.shutdown()
-        b.shutdown()
+            monkeypatch.setattr(_clean.os, "remove", remove)
+            time.sleep(0.6)
+            a.clean_expired()
+            assert held and not any(any(h) for h in held), f"unlinked under a loader's lock: {held}"
+        finally:
+            monkeypatch.undo()
+            a.shutdown()
+            b.shutdown()

@@ -182,7 +182,8 @@ def test_a_killed_worker_is_replaced_and_its_load_retried(tmp_path):
 
 
 def test_ttl_spares_queued_files_and_counts_expired_ones(tmp_store):
-    with FileStorageLoader(tmp_store, ttl=0.3, worker_num=1, max_inflight_per_worker=1) as loader:
+    never_loaded = pytest.warns(UserWarning, match=r"^1 file FileStorageLoader\(.*before anyone loaded them")
+    with never_loaded, FileStorageLoader(tmp_store, ttl=0.3, worker_num=1, max_inflight_per_worker=1) as loader:
         loader.load_async(MemoryStorage(traj(0))).result(timeout=30)  # start the worker
         blocker = loader.load_async(SleepStorage(1.5))
         queued = loader.save(traj(1))

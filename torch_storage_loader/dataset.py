@@ -29,6 +29,7 @@ from ._dataloader.epochs import EpochCounters
 from ._dataloader.items import WorkerItem, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._format import trust as _trust
+from ._options import check_option
 from ._shm import device as _device
 from ._shm.alloc import check_slot_options
 from ._shm.filling import LocalFiller, SlotFiller
@@ -230,19 +231,16 @@ class StorageDataset(IterableDataset[Any]):
             TypeError: an option of the wrong type, naming it.
             ValueError: an option out of range, or ``collate_fn`` without ``batch_size``, naming it.
         """
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"{shuffle=} must be a bool")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"{seed=} must be an int")
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"{drop_last=} must be a bool")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"{batch_size=} must be >= 1, or None for single samples")
+        check_option("shuffle", shuffle, bool)
+        check_option("seed", seed, int)
+        check_option("drop_last", drop_last, bool)
+        check_option("batch_size", batch_size, int, least=1, none="for single samples")
         if collate_fn is not None and batch_size is None:
             raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
         check_slot_options(
             slots_per_worker=slots_per_worker, max_rings_per_worker=max_rings_per_worker, max_shm_bytes=max_shm_bytes
         )
+        check_option("on_error", on_error, str)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
 
@@ -301,10 +299,7 @@ class StorageDataset(IterableDataset[Any]):
             TypeError: ``epoch`` is not an int.
             ValueError: ``epoch`` is negative.
         """
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
-            raise TypeError(f"{epoch=} must be an int")
-        if epoch < 0:
-            raise ValueError(f"{epoch=} must be >= 0")
+        check_option("epoch", epoch, int, least=0)
         self._own()
         if self._epochs is not None:
             self._epochs.set(epoch)

@@ -10,10 +10,12 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
 from ._format.names import new_file_name  # re-exported: file_loader.new_file_name stays
+from ._options import check_option
 from ._stores import clean as _clean
 from ._stores import objects as _objects
 from .errors import StorageError
@@ -59,7 +61,10 @@ class FileStorageLoader(StorageLoader):
     loader already shut down) once their mtime is ``ttl`` seconds old; it never touches other
     files, files being written, or files a ``DirectorySource`` claimed. Loaders sharing a
     directory should use the same ``ttl``. ``stats().expired`` counts both kinds;
-    ``expired_unloaded`` counts this loader's own files that expired before it loaded them.
+    ``expired_unloaded`` counts this loader's own files that expired before anyone loaded them (in
+    any process: a read moves a file's access time; where reads leave no trace, on an object store
+    or a ``noatime`` mount, before this loader did). The first of them are reported by one
+    ``UserWarning`` per loader, with their count and the ``ttl`` to raise, as the cleaner deletes them.
 
     ``shutdown`` deletes the loader's files that already expired and keeps the others for their
     TTL; ``remove_on_shutdown=True`` deletes all of them instead (only when no other process
@@ -88,6 +93,7 @@ class FileStorageLoader(StorageLoader):
         **loader_options: Passed to ``StorageLoader`` (``slots_per_worker``, ``max_shm_bytes``, ...).
 
     Raises:
+        TypeError: An option has the wrong type (the message names it and the type expected).
         ValueError: ``ttl`` is not positive, or ``storage_options``/``retry_timeout`` are given for a
             local directory.
     """
@@ -105,8 +111,15 @@ class FileStorageLoader(StorageLoader):
         retry_timeout: float | None = None,
         **loader_options: Any,
     ) -> None:
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"{ttl=} must be > 0, or None to keep files forever")
+        check_option("ttl", ttl, float, above=0, none="to keep files forever")
+        for name, value in [
+            ("allow_pickle", allow_pickle),
+            ("fsync", fsync),
+            ("remove_on_shutdown", remove_on_shutdown),
+        ]:
+            check_option(name, value, bool)
+        if retry_timeout is not None:
+            check_option("retry_timeout", retry_timeout, float, least=0)
         dirname = os.fspath(dirname)
         self.remote = _objects.is_url(dirname)
         if not self.remote and (storage_options or retry_timeout is not None):
@@ -129,6 +142,8 @@ class FileStorageLoader(StorageLoader):
         self._files_lock = threading.Lock()
         self._cleaner: threading.Thread | None = None
         self._cleaner_stop = threading.Event()
+        self._unloaded_unwarned = 0  # files the ttl deleted unread, not warned of yet (see _warn_unloaded)
+        self._unloaded_warned = False
 
     def save(self, obj: Any) -> FileStorage | ObjectStorage:
         """Write ``obj`` to a new file (or object) atomically and return its handle.
@@ -192,6 +207,7 @@ class FileStorageLoader(StorageLoader):
                     self._clean_own()
             except StorageError as exc:
                 _log.warning("shutdown left expired files of %s for a later clean-up: %s", self.dirname, exc)
+        self._warn_unloaded(0, final=True)
         with self._files_lock:
             for key in [k for k in self._files if not self._busy[k]]:
                 del self._files[key]
@@ -248,13 +264,42 @@ class FileStorageLoader(StorageLoader):
                 del self._files[_file_key(saved.path)]
         # Deleted outside it (an unlink on a slow NFS, a request retried for long): saves and loads go on.
         # A load queued meanwhile names a file that had expired: it fails as if it came a moment later.
+        unloaded = unread = 0
         for saved in doomed:
+            read = saved.loaded or _clean.read_since_written(saved.path)  # None: reads leave no trace there
+            unloaded += not read
+            unread += read is False
             _clean.remove(saved.path)
         if doomed:
             with self._lock:
                 self._counts["expired"] += len(doomed)
-                self._counts["expired_unloaded"] += sum(not saved.loaded for saved in doomed)
+                self._counts["expired_unloaded"] += unloaded
+        self._warn_unloaded(unread)
         return len(doomed)
+
+    def _warn_unloaded(self, new: int, *, final: bool = False) -> None:
+        """Warn, once per loader, of its files the ttl deleted before anyone read them (``new`` more now).
+
+        Given at the sweep after the first one that deleted some (files saved together but expiring
+        across two sweeps are counted together), or at ``shutdown``: while it happens, with nothing
+        to call, so that a load finding no file later is explained. ``stats().expired_unloaded``
+        goes on counting them.
+        """
+        with self._lock:
+            if self._unloaded_warned:
+                return
+            earlier = self._unloaded_unwarned
+            self._unloaded_unwarned += new
+            if not self._unloaded_unwarned or not (earlier or final):
+                return
+            self._unloaded_warned, count = True, self._unloaded_unwarned
+        warnings.warn(
+            f"{count} file{'s' if count != 1 else ''} FileStorageLoader({self.dirname!r}) saved were deleted by "
+            f"its ttl={self.ttl:g} s before anyone loaded them: raise ttl= (or load them sooner) if they were "
+            "wanted. stats().expired_unloaded counts every such file; this warning is given once per loader.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _clean_directory(self) -> int:
         """Delete this library's files in ``dirname`` older than ``ttl`` by mtime that no loader of

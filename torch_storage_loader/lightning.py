@@ -18,6 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._dataloader import hooks
 from ._dataloader.consumed import ConsumedStateLoader
+from ._options import check_option
 from ._shm.slots import retire_rings
 from .dataset import StorageDataset
 
@@ -66,6 +67,7 @@ class StorageDataModule(pl.LightningDataModule):
             on a side stream), so Lightning's own transfer has nothing left to do.
 
     Raises:
+        TypeError: an option of the wrong type (the message names it and the type expected).
         ValueError: an option out of range (the message names it).
     """
 
@@ -93,8 +95,10 @@ class StorageDataModule(pl.LightningDataModule):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
-        if num_workers < 0:
-            raise ValueError(f"{num_workers=} must be >= 0")
+        check_option("num_workers", num_workers, int, least=0)
+        check_option("prefetch_factor", prefetch_factor, int, least=1, none="for the DataLoader's default")
+        check_option("persistent_workers", persistent_workers, bool, none="for: when there are workers")
+        check_option("pin_memory", pin_memory, bool)
         # What every StorageDataset of this module is made with (shuffle: the train one's only).
         self._dataset_options: dict[str, Any] = dict(
             batch_size=batch_size,

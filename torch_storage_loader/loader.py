@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from ._options import check_option
 from ._shm.alloc import FillInfo, check_slot_options
 from ._shm.segments import default_shm_budget, shm_dir
 from ._workers.pool import WorkerConfig, WorkerPool
@@ -68,7 +69,7 @@ class LoaderStats(Mapping[str, Any]):
         queue_wait_s: The total time, in seconds, they waited.
         pending: Loads not yet delivered.
         expired: Files deleted by the TTL cleaner (``FileStorageLoader``).
-        expired_unloaded: Of those, files this loader never loaded.
+        expired_unloaded: Of those, this loader's own files nobody loaded (see ``FileStorageLoader``).
     """
 
     loads: int = 0
@@ -195,6 +196,7 @@ class StorageLoader(ABC):
             ``forkserver`` where available, else ``spawn``.
 
     Raises:
+        TypeError: An option has the wrong type (the message names it and the type expected).
         ValueError: An option is out of range (``worker_num`` and the per-worker counts must be >= 1).
     """
 
@@ -208,13 +210,11 @@ class StorageLoader(ABC):
         max_shm_bytes: int | None = None,
         mp_context: str | mp.context.BaseContext | None = None,
     ) -> None:
-        if worker_num < 1:
-            raise ValueError(f"{worker_num=} must be >= 1")
+        check_option("worker_num", worker_num, int, least=1)
         check_slot_options(
             slots_per_worker=slots_per_worker, max_rings_per_worker=max_rings_per_worker, max_shm_bytes=max_shm_bytes
         )
-        if max_inflight_per_worker < 1:
-            raise ValueError(f"{max_inflight_per_worker=} must be >= 1")
+        check_option("max_inflight_per_worker", max_inflight_per_worker, int, least=1)
         self._worker_num = worker_num
         self._slots = slots_per_worker
         self._max_rings = max_rings_per_worker

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
+from ._options import check_option
 from ._workers.proc import pid_alive
 from .errors import (
     ProducerDiedError,  # re-exported: torch_storage_loader.queue.ProducerDiedError stays importable
@@ -148,10 +149,7 @@ class StorageQueue:
     """
 
     def __init__(self, maxsize: int = 0, *, mp_context: str | mp.context.BaseContext | None = None) -> None:
-        if type(maxsize) is not int:
-            raise TypeError(f"{maxsize=} must be an int >= 0, got {type(maxsize).__name__}")
-        if maxsize < 0:
-            raise ValueError(f"{maxsize=} must be >= 0")
+        check_option("maxsize", maxsize, int, least=0)
         # Primitives made in a spawn context travel to fork, spawn and forkserver children alike;
         # fork-made ones refuse to go to spawned processes.
         ctx = mp.get_context(mp_context or "spawn") if isinstance(mp_context, (str, type(None))) else mp_context

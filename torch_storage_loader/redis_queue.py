@@ -99,6 +99,7 @@ class RedisStorageQueue:
         retry_for: the old name of ``retry_timeout`` (warns).
 
     Raises:
+        TypeError: an option of the wrong type (the message names it and the type expected).
         ValueError: an option out of range (the message names it).
 
     Examples:

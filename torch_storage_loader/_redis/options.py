@@ -6,6 +6,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from .._format import trust as _trust
+from .._options import check_option
 from . import conn as _conn
 
 __all__ = ["IDLE_POLL_S", "MAX_OUTSTANDING", "POLL_S", "TRIM_EVERY_S", "Options"]
@@ -48,30 +49,25 @@ class Options(NamedTuple):
         replicas: int,
     ) -> Options:
         """The options, or ``ValueError``/``TypeError`` naming the first one that is wrong."""
+        check_option("cluster", cluster, bool)
         _conn.check(url, cluster, _conn.redact_url(str(url)))
-        if not stream or not isinstance(stream, str):
+        check_option("stream", stream, str)
+        if not stream:
             raise ValueError(f"{stream=} must be a non-empty string")
         if "{" in stream or "}" in stream:
             raise ValueError(
                 f"{stream=} may not contain '{{' or '}}': the queue puts the name in braces "
                 "(a Redis Cluster hash tag) so that all the stream's keys share one slot"
             )
-        if not group or not isinstance(group, str):
+        check_option("group", group, str)
+        if not group:
             raise ValueError(f"{group=} must be a non-empty string")
-        if not claim_after > 0:
-            raise ValueError(f"{claim_after=} must be > 0")
-        if not producer_timeout > 0:
-            raise ValueError(f"{producer_timeout=} must be > 0")
-        if not retry_timeout >= 0:
-            raise ValueError(f"{retry_timeout=} must be >= 0")
-        if not (isinstance(prefetch, int) and prefetch >= 1):
-            raise ValueError(f"{prefetch=} must be an int >= 1")
-        if not isinstance(cluster, bool):
-            raise TypeError(f"{cluster=} must be a bool")
-        if not (isinstance(replicas, int) and replicas >= 0):
-            raise ValueError(f"{replicas=} must be an int >= 0")
-        if not isinstance(allow_pickle, bool):
-            raise TypeError(f"{allow_pickle=} must be a bool")
+        check_option("claim_after", claim_after, float, above=0)
+        check_option("producer_timeout", producer_timeout, float, above=0)
+        check_option("retry_timeout", retry_timeout, float, least=0)
+        check_option("prefetch", prefetch, int, least=1)
+        check_option("replicas", replicas, int, least=0)
+        check_option("allow_pickle", allow_pickle, bool)
         roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
         return cls(
             url,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._format.file import Header, ReadOptions
+from .._options import check_option
 from ..errors import SampleTooLargeError
 from .refs import BytesRef, OneOffRef, SlotRef
 from .segments import ENV_DIR, ShmSegment, _human, default_shm_budget, shm_dir
@@ -68,13 +69,11 @@ _COUNTER_OF = {"slot": "slot_loads", "fallback": "fallbacks", "oversize": "overs
 
 
 def check_slot_options(*, slots_per_worker: int, max_rings_per_worker: int, max_shm_bytes: int | None) -> None:
-    """Validate the slot options ``StorageLoader`` and ``StorageDataset`` share; raises ValueError naming the option."""
-    if slots_per_worker < 1:
-        raise ValueError(f"{slots_per_worker=} must be >= 1")
-    if max_rings_per_worker < 1:
-        raise ValueError(f"{max_rings_per_worker=} must be >= 1")
-    if max_shm_bytes is not None and max_shm_bytes < 1:
-        raise ValueError(f"{max_shm_bytes=} must be >= 1, or None for half the shared-memory filesystem")
+    """Validate the slot options ``StorageLoader`` and ``StorageDataset`` share; raises TypeError
+    or ValueError naming the option."""
+    check_option("slots_per_worker", slots_per_worker, int, least=1)
+    check_option("max_rings_per_worker", max_rings_per_worker, int, least=1)
+    check_option("max_shm_bytes", max_shm_bytes, int, least=1, none="for half the shared-memory filesystem")
 
 
 class Lease:

@@ -19,7 +19,7 @@ import time
 from .._format.names import SAVED_NAME, TEMP_NAME
 from . import objects as _objects
 
-__all__ = ["TMP_GRACE_S", "expired_files", "remove"]
+__all__ = ["TMP_GRACE_S", "expired_files", "read_since_written", "remove"]
 
 TMP_GRACE_S = 600.0
 
@@ -75,3 +75,22 @@ def remove(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def read_since_written(path: str) -> bool | None:
+    """Whether anyone read ``path`` (any process: a loader's worker, a learner's) since it was written.
+
+    A read moves a file's access time past its modification time (Linux's default ``relatime``
+    mounts record the first read after a write). A file gone already was taken (claimed by a
+    consumer, or deleted): True. None where reads leave no trace: an object store, or a directory
+    mounted ``noatime``.
+    """
+    if _objects.is_url(path):
+        return None
+    try:
+        st = os.stat(path)
+        if os.statvfs(path).f_flag & os.ST_NOATIME:
+            return None
+    except FileNotFoundError:
+        return True
+    return st.st_atime_ns > st.st_mtime_ns

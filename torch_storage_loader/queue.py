@@ -1,13 +1,6 @@
 """``StorageQueue``: a multi-producer, multi-consumer queue of storage handles across processes.
 
-A ``multiprocessing.Queue`` cannot hold more than its pipe does: a producer's feeder thread writes
-what does not fit as the pipe is read, and the producer cannot exit before that (a collector whose
-handles nobody read yet hangs in ``join()``). Here the process that makes the queue (its *owner*,
-usually the trainer or the script that starts everything) runs one thread, ``tsl-queue``, that moves
-bytes from the producers' pipe into memory and on into the consumers' pipe as they read. A ``put``
-returns once its handle is in the owner's hands, so producers exit whenever they are done, and what
-they put stays there as long as the owner lives. The thread copies bytes (whole pickled frames,
-written under one lock by producers, read whole by consumers): it never unpickles a handle.
+Its handles travel through a ``_channel.Channel``, held by the process that makes the queue.
 """
 
 from __future__ import annotations
@@ -15,31 +8,22 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import pickle
 import queue as _queue
-import select
-import struct
-import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from typing import Any, cast
 
+from ._channel import Channel
 from ._options import check_option
 from ._workers.proc import pid_alive
 from .errors import (
     ProducerDiedError,  # re-exported: torch_storage_loader.queue.ProducerDiedError stays importable
-    StorageError,
 )
 from .storage import Storage
 
 __all__ = ["ProducerDiedError", "StorageQueue"]
 
 MAX_PRODUCERS = 256
-_FRAME = struct.Struct("!i")  # the length prefix multiprocessing.connection.Connection.recv_bytes reads
-_CHUNK = 1 << 16
 
 
 class _End:
@@ -56,59 +40,6 @@ class _Returned:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _Returned, (self.storage, self.pid)
-
-
-class _Relay:
-    """The owner's thread: bytes from the producers' pipe (``inbox``) to the consumers' (``outbox``).
-
-    It holds no reference to the queue, so the queue can be collected; ``stop`` (the queue's
-    finalizer) ends it. What it buffers is whole frames in order, since producers write each frame
-    under one lock and only this thread writes the outbox (non-blocking: a full outbox never keeps it
-    from reading the inbox).
-    """
-
-    def __init__(self, inbox: Connection, outbox: Connection) -> None:
-        self.pipes = (inbox, outbox)  # the owner's ends: they close with the relay
-        self.inbox, self.outbox = inbox.fileno(), outbox.fileno()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.outbox, False)
-        self.pending: deque[memoryview] = deque()
-        self.thread = threading.Thread(target=self._run, name="tsl-queue", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        pending, inbox, outbox, wake = self.pending, self.inbox, self.outbox, self.wake_r
-        while True:
-            readable, writable, _ = select.select([inbox, wake], [outbox] if pending else [], [])
-            if wake in readable:
-                return
-            if inbox in readable:
-                pending.append(memoryview(os.read(inbox, _CHUNK)))
-            if writable:
-                while pending:
-                    try:
-                        n = os.write(outbox, pending[0])
-                    except BlockingIOError:
-                        break
-                    if n == len(pending[0]):
-                        pending.popleft()
-                    else:
-                        pending[0] = pending[0][n:]
-                        break
-
-    def stop(self) -> None:
-        os.write(self.wake_w, b"x")
-        if threading.current_thread() is not self.thread:
-            self.thread.join(5)
-        os.close(self.wake_r)
-        os.close(self.wake_w)
-        for pipe in self.pipes:
-            pipe.close()
-
-
-def _stop_relay(relay: _Relay, owner: int) -> None:
-    if os.getpid() == owner:  # a forked child's copy of the finalizer has no thread to stop
-        relay.stop()
 
 
 class StorageQueue:
@@ -153,25 +84,13 @@ class StorageQueue:
         # Primitives made in a spawn context travel to fork, spawn and forkserver children alike;
         # fork-made ones refuse to go to spawned processes.
         ctx = mp.get_context(mp_context or "spawn") if isinstance(mp_context, (str, type(None))) else mp_context
-        self._owner = os.getpid()
-        inbox_r, self._inbox = ctx.Pipe(duplex=False)
-        self._outbox, outbox_w = ctx.Pipe(duplex=False)
-        os.set_blocking(self._inbox.fileno(), False)  # a put waits in select(), watching the owner
-        self._wlock = ctx.Lock()  # one producer writes a frame at a time
-        self._rlock = ctx.Lock()  # one consumer reads a frame at a time
+        self._channel = Channel(ctx)
         # Not bounded: a handle put past the end skipped the bound, and its release lands on nothing.
         self._room = ctx.Semaphore(maxsize) if maxsize else None
         self._closed = ctx.Value("b", 0)  # close() was called
         self._producers = ctx.Array("q", MAX_PRODUCERS)  # pids of live producers; 0 = free
         self._ended = ctx.Value("b", 0, lock=False)  # the end marker was read
         self._returns = ctx.Array("q", 2 * MAX_PRODUCERS)  # (pid, handles given back and not yet taken)
-        # The owner's ends of the pipes stay with its relay: _inbox and _outbox travel to other processes.
-        self._finalizer = weakref.finalize(self, _stop_relay, _Relay(inbox_r, outbox_w), self._owner)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_finalizer"]
-        return state
 
     @property
     def closed(self) -> bool:
@@ -195,7 +114,7 @@ class StorageQueue:
             raise TypeError(f"StorageQueue holds Storage handles, got {type(storage).__name__}")
         if self._room is not None:
             self._wait_for_room(block, timeout)
-        self._send(storage)
+        self._channel.send(storage)
 
     def _wait_for_room(self, block: bool, timeout: float | None) -> None:
         assert self._room is not None
@@ -207,30 +126,9 @@ class StorageQueue:
         while not self._room.acquire(timeout=0.1):
             if self._closed.value:
                 return  # past the end the bound is moot: a producer is never stranded by a full, closed queue
-            self._check_owner()
+            self._channel.check_owner()
             if deadline is not None and time.monotonic() >= deadline:
                 raise _queue.Full
-
-    def _check_owner(self) -> None:
-        if not pid_alive(self._owner):
-            raise StorageError(
-                f"the process that made this StorageQueue (pid {self._owner}) has exited, and the "
-                "handles it held with it; make the queue in a process that lives as long as the stream"
-            )
-
-    def _send(self, item: object) -> None:
-        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = memoryview(_FRAME.pack(len(data)) + data)
-        fd = self._inbox.fileno()
-        with self._wlock:
-            while frame:
-                try:
-                    frame = frame[os.write(fd, frame) :]
-                except BlockingIOError:
-                    # The owner's relay reads this pipe as fast as it fills; waiting means it is
-                    # busy, or gone.
-                    if not select.select([], [fd], [], 1.0)[1]:
-                        self._check_owner()
 
     def close(self) -> None:
         """End the stream: consumers stop once every handle put before it is taken."""
@@ -238,7 +136,7 @@ class StorageQueue:
             if self._closed.value:
                 return
             self._closed.value = 1
-        self._send(_End())
+        self._channel.send(_End())
 
     def give_back(self, storages: list[Storage]) -> None:
         """Put back handles taken and not used, to be taken again even after the stream ended.
@@ -259,7 +157,7 @@ class StorageQueue:
                 pairs[slot] = pid
             pairs[slot + 1] += len(storages)
         for s in storages:
-            self._send(_Returned(s, pid))
+            self._channel.send(_Returned(s, pid))
 
     def _took_back(self, pid: int) -> None:
         with self._returns.get_lock():
@@ -300,7 +198,7 @@ class StorageQueue:
             if self._ended.value:
                 wait = min(wait, 0.02)
             try:
-                item = self._take(wait)
+                item = self._channel.take(wait)
             except _queue.Empty:
                 if self._ended.value:
                     if not self._returns_pending():
@@ -326,32 +224,6 @@ class StorageQueue:
             if self._room is not None:
                 self._room.release()
             return cast(Storage, item)  # only Storage handles are put, besides the markers above
-
-    def _take(self, wait: float) -> Any:
-        """One handle or marker, waiting up to ``wait`` seconds for one without holding the read lock.
-
-        A consumer killed while it waits holds no lock, so the others go on; the lock is held only
-        while a frame that is already there is read.
-        """
-        outbox = self._outbox
-        deadline = time.monotonic() + wait
-        while True:
-            if not outbox.poll(max(0.0, deadline - time.monotonic())):
-                if os.getpid() != self._owner:
-                    self._check_owner()
-                raise _queue.Empty
-            # A frame is there: wait for the lock (another consumer may be reading it), briefly.
-            if self._rlock.acquire(timeout=0.05):
-                try:
-                    if outbox.poll(0):
-                        return pickle.loads(outbox.recv_bytes())
-                except EOFError:  # no process holds the outbox's write end: the owner is gone
-                    self._check_owner()
-                    raise
-                finally:
-                    self._rlock.release()
-            if time.monotonic() >= deadline:
-                raise _queue.Empty
 
     def __iter__(self) -> Iterator[Storage]:
         while (item := self.get()) is not None:

@@ -1,0 +1,156 @@
+"""A channel of pickled frames between processes, held by the process that made it.
+
+A ``multiprocessing.Queue`` cannot hold more than its pipe does: a writer's feeder thread writes
+what does not fit as the pipe is read, and the writer cannot exit before that. Here the owner runs
+one thread, ``tsl-queue``, that moves bytes from the writers' pipe into memory and on into the
+readers' pipe as they read: a ``send`` returns once its frame is in the owner's hands, and what was
+sent stays there as long as the owner lives. The thread copies bytes (whole frames, written under
+one lock, read whole): it never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as _queue
+import select
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._workers.proc import pid_alive
+from .errors import StorageError
+
+__all__ = ["Channel"]
+
+_FRAME = struct.Struct("!i")  # the length prefix multiprocessing.connection.Connection.recv_bytes reads
+_CHUNK = 1 << 16
+
+
+class _Relay:
+    """The owner's thread: bytes from the producers' pipe (``inbox``) to the consumers' (``outbox``).
+
+    It holds no reference to the queue, so the queue can be collected; ``stop`` (the queue's
+    finalizer) ends it. What it buffers is whole frames in order, since producers write each frame
+    under one lock and only this thread writes the outbox (non-blocking: a full outbox never keeps it
+    from reading the inbox).
+    """
+
+    def __init__(self, inbox: Connection, outbox: Connection) -> None:
+        self.pipes = (inbox, outbox)  # the owner's ends: they close with the relay
+        self.inbox, self.outbox = inbox.fileno(), outbox.fileno()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.outbox, False)
+        self.pending: deque[memoryview] = deque()
+        self.thread = threading.Thread(target=self._run, name="tsl-queue", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pending, inbox, outbox, wake = self.pending, self.inbox, self.outbox, self.wake_r
+        while True:
+            readable, writable, _ = select.select([inbox, wake], [outbox] if pending else [], [])
+            if wake in readable:
+                return
+            if inbox in readable:
+                pending.append(memoryview(os.read(inbox, _CHUNK)))
+            if writable:
+                while pending:
+                    try:
+                        n = os.write(outbox, pending[0])
+                    except BlockingIOError:
+                        break
+                    if n == len(pending[0]):
+                        pending.popleft()
+                    else:
+                        pending[0] = pending[0][n:]
+                        break
+
+    def stop(self) -> None:
+        os.write(self.wake_w, b"x")
+        if threading.current_thread() is not self.thread:
+            self.thread.join(5)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def _stop_relay(relay: _Relay, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child's copy of the finalizer has no thread to stop
+        relay.stop()
+
+
+class Channel:
+    """Frames from any process to any process, held by the process that made the channel (its owner).
+
+    Writers send pickled frames into the ``inbox`` pipe under one lock; the owner's relay moves them
+    into the ``outbox`` pipe, which readers poll without a lock and read under another. The owner's
+    ends of the pipes stay with its relay: what travels to other processes is ``inbox``'s write end
+    and ``outbox``'s read end.
+    """
+
+    def __init__(self, ctx: mp.context.BaseContext) -> None:
+        self.owner = os.getpid()
+        inbox_r, self.inbox = ctx.Pipe(duplex=False)
+        self.outbox, outbox_w = ctx.Pipe(duplex=False)
+        os.set_blocking(self.inbox.fileno(), False)  # a writer waits in select(), watching the owner
+        self.wlock = ctx.Lock()  # one writer writes a frame at a time
+        self.rlock = ctx.Lock()  # one reader reads a frame at a time
+        self.finalizer = weakref.finalize(self, _stop_relay, _Relay(inbox_r, outbox_w), self.owner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["finalizer"]
+        return state
+
+    def check_owner(self) -> None:
+        if not pid_alive(self.owner):
+            raise StorageError(
+                f"the process that made this StorageQueue (pid {self.owner}) has exited, and the "
+                "handles it held with it; make the queue in a process that lives as long as the stream"
+            )
+
+    def send(self, item: object) -> None:
+        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = memoryview(_FRAME.pack(len(data)) + data)
+        fd = self.inbox.fileno()
+        with self.wlock:
+            while frame:
+                try:
+                    frame = frame[os.write(fd, frame) :]
+                except BlockingIOError:
+                    # The owner's relay reads this pipe as fast as it fills; waiting means it is
+                    # busy, or gone.
+                    if not select.select([], [fd], [], 1.0)[1]:
+                        self.check_owner()
+
+    def take(self, wait: float) -> Any:
+        """One handle or marker, waiting up to ``wait`` seconds for one without holding the read lock.
+
+        A consumer killed while it waits holds no lock, so the others go on; the lock is held only
+        while a frame that is already there is read.
+        """
+        outbox = self.outbox
+        deadline = time.monotonic() + wait
+        while True:
+            if not outbox.poll(max(0.0, deadline - time.monotonic())):
+                if os.getpid() != self.owner:
+                    self.check_owner()
+                raise _queue.Empty
+            # A frame is there: wait for the lock (another consumer may be reading it), briefly.
+            if self.rlock.acquire(timeout=0.05):
+                try:
+                    if outbox.poll(0):
+                        return pickle.loads(outbox.recv_bytes())
+                except EOFError:  # no process holds the outbox's write end: the owner is gone
+                    self.check_owner()
+                    raise
+                finally:
+                    self.rlock.release()
+            if time.monotonic() >= deadline:
+                raise _queue.Empty

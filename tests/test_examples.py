@@ -1,10 +1,22 @@
 """The scripts a user copies, run as the user runs them (``python example.py``, its own session, a hard
-time limit): the streaming roads of ``examples/``, and what a script without its main guard is told."""
+time limit): the streaming roads of ``examples/``, and what a script without its main guard is told.
+
+Each road runs to the end of its stream (every sample produced is trained on, once) and stops early
+(the trainer's steps are trained on, the rest is still in the queue, directory or stream); either way
+every process exits, and the script with code 0."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from _helpers import run_script
+from _redis_server import redis_server  # noqa: F401  (fixture)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+COUNTS = re.compile(r"^produced (\d+), trained on (\d+), left in the \w+ (\d+)$", re.M)
+BATCH_SIZE = 8  # the examples' batch size
 
 MAIN_GUARD = 'if __name__ == "__main__":'
 
@@ -26,3 +38,20 @@ def test_a_script_without_main_guard_gets_one_error_that_names_it(tmp_path, meth
     assert lines[-1].startswith("torch_storage_loader.errors.WorkerDiedError") and MAIN_GUARD in lines[-1], lines[-1]
     # One error, not each worker's re-run of the script (500+ lines of tracebacks before).
     assert len(lines) <= 15 and "bootstrapping phase" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("steps", [None, 5], ids=["to-the-end", "early-stop"])
+@pytest.mark.parametrize("name", ["queue_to_dataloader", "directory_to_dataloader", "redis_to_lightning"])
+def test_streaming_road_runs_as_a_script_and_loses_nothing(tmp_path, request, name, steps):
+    args: tuple[str, ...] = ("--steps", str(steps)) if steps else ()
+    if name.startswith("redis"):
+        args += ("--url", request.getfixturevalue("redis_server").url)
+    result = run_script((EXAMPLES / f"{name}.py").read_text(), tmp_path, timeout=240, args=args)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-6000:]}"
+    match = COUNTS.search(result.stdout)
+    assert match, result.stdout
+    produced, trained, left = map(int, match.groups())
+    if steps:
+        assert (trained, left) == (steps * BATCH_SIZE, produced - trained), match.group(0)
+    else:
+        assert (trained, left) == (produced, 0), match.group(0)

@@ -58,11 +58,10 @@ def main() -> None:
             if step == args.steps:
                 break  # the DataLoader's workers stop; files they claimed go back to the directory
 
-        for p in collectors:
-            p.join(timeout=30)
-            if p.exitcode != 0:
-                raise SystemExit(f"collector pid {p.pid} did not exit cleanly (exit code {p.exitcode})")
-        ender.join(timeout=30)
+        ender.join(timeout=60)  # it joins every collector, then ends the stream
+        codes = None if ender.is_alive() else [p.exitcode for p in collectors]
+        if codes != [0] * COLLECTORS:
+            raise SystemExit(f"the collectors did not all exit cleanly within a minute (exit codes: {codes})")
         left = len(glob.glob(f"{stream}/*.tsl"))  # what the trainer did not read is still there
         produced = COLLECTORS * SAMPLES_PER_COLLECTOR
         print(f"produced {produced}, trained on {len(seen)}, left in the directory {left}")

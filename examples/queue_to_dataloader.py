@@ -60,11 +60,10 @@ def main() -> None:
             if step == args.steps:
                 break  # the DataLoader's workers stop; the handles they held go back to the queue
 
-        for p in collectors:
-            p.join(timeout=30)
-            if p.exitcode != 0:
-                raise SystemExit(f"collector pid {p.pid} did not exit cleanly (exit code {p.exitcode})")
-        closer.join(timeout=30)
+        closer.join(timeout=60)  # it joins every collector, then ends the stream
+        codes = None if closer.is_alive() else [p.exitcode for p in collectors]
+        if codes != [0] * COLLECTORS:
+            raise SystemExit(f"the collectors did not all exit cleanly within a minute (exit codes: {codes})")
         left = sum(1 for _ in queue)  # what the trainer did not read is still there, up to the end
         produced = COLLECTORS * SAMPLES_PER_COLLECTOR
         print(f"produced {produced}, trained on {len(seen)}, left in the queue {left}")

@@ -7,12 +7,14 @@ every process exits, and the script with code 0."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 from _helpers import run_script
 from _redis_server import redis_server  # noqa: F401  (fixture)
+from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 COUNTS = re.compile(r"^produced (\d+), trained on (\d+), left in the \w+ (\d+)$", re.M)
@@ -40,13 +42,27 @@ def test_a_script_without_main_guard_gets_one_error_that_names_it(tmp_path, meth
     assert len(lines) <= 15 and "bootstrapping phase" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("steps", [None, 5], ids=["to-the-end", "early-stop"])
-@pytest.mark.parametrize("name", ["queue_to_dataloader", "directory_to_dataloader", "redis_to_lightning"])
+ROADS = [
+    *(
+        pytest.param(name, steps, id=f"{name}-{mode}")
+        for name in ("queue_to_dataloader", "directory_to_dataloader", "redis_to_lightning")
+        for steps, mode in ((None, "to-the-end"), (5, "early-stop"))
+    ),
+    pytest.param("redis_to_lightning-s3", None, id="redis_to_lightning-s3-to-the-end"),  # payloads in a bucket
+]
+
+
+@pytest.mark.parametrize(("name", "steps"), ROADS)
 def test_streaming_road_runs_as_a_script_and_loses_nothing(tmp_path, request, name, steps):
     args: tuple[str, ...] = ("--steps", str(steps)) if steps else ()
+    env = {}
     if name.startswith("redis"):
         args += ("--url", request.getfixturevalue("redis_server").url)
-    result = run_script((EXAMPLES / f"{name}.py").read_text(), tmp_path, timeout=240, args=args)
+    if name.endswith("-s3"):
+        name = name.removesuffix("-s3")
+        args += ("--payloads", f"s3://{request.getfixturevalue('s3_bucket')}/payloads")
+        env["TSL_S3_OPTIONS"] = json.dumps(request.getfixturevalue("s3_server").storage_options)
+    result = run_script((EXAMPLES / f"{name}.py").read_text(), tmp_path, timeout=240, env=env, args=args)
     assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-6000:]}"
     match = COUNTS.search(result.stdout)
     assert match, result.stdout

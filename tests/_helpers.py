@@ -369,11 +369,14 @@ class TinyCounting(Tiny):
                 f.write(f"{self.trainer.num_training_batches} {self.trainer.global_step}")
 
 
-def run_script(source: str, cwd, *, timeout: float = 120, env: dict | None = None, args: tuple = ()):
+def run_script(
+    source: str, cwd, *, timeout: float = 120, env: dict | None = None, args: tuple = (), python_args: tuple = ()
+):
     """Run ``source`` the way a user runs an example: saved as ``example.py`` and started with
     ``python example.py`` in ``cwd`` (its own session, so a hang is killed with every process it
-    started). Returns the ``subprocess.CompletedProcess``; a run past ``timeout`` seconds is a
-    test failure that shows what the script printed so far.
+    started). ``python_args`` go to the interpreter (``-W error``), ``args`` to the script. Returns the
+    ``subprocess.CompletedProcess``; a run past ``timeout`` seconds is a test failure that shows what
+    the script printed so far.
     """
     import subprocess
     import sys
@@ -384,7 +387,7 @@ def run_script(source: str, cwd, *, timeout: float = 120, env: dict | None = Non
     path = Path(cwd) / "example.py"
     path.write_text(source)
     proc = subprocess.Popen(
-        [sys.executable, str(path), *args],
+        [sys.executable, *python_args, str(path), *args],
         cwd=cwd,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,

@@ -1,12 +1,13 @@
 """The docs site, checked rather than trusted: it builds strictly, every Python example in README.md and
 docs/ runs, and every built page renders in a headless Chromium without a console error.
 
-Examples run one page per fresh interpreter (a page's blocks in order, sharing state) in a temporary
-directory, with warnings as errors like this suite. A block's first line may say what it needs:
-``# tsl-docs: needs cuda`` (skipped without a GPU) or ``# tsl-docs: skip (why)`` (never run: hosts that
-are only illustrations). Blocks that read ``TSL_REDIS_URL`` get this suite's redis-server; blocks that
-read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS`` get a fresh bucket on its SeaweedFS.
-"""
+Examples run as a user runs what they copy: a page's blocks in order, saved as ``example.py`` in a
+temporary directory and started with ``python example.py`` (so a page whose code starts worker
+processes needs ``if __name__ == "__main__":``), with warnings as errors like this suite. A block's
+first line may say what it needs: ``# tsl-docs: needs cuda`` (skipped without a GPU) or
+``# tsl-docs: skip (why)`` (never run: hosts that are only illustrations). Blocks that read
+``TSL_REDIS_URL`` get this suite's redis-server; blocks that read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS``
+get a fresh bucket on its SeaweedFS."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+from _helpers import run_script
 from _redis_server import redis_server  # noqa: F401  (fixture)
 from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
@@ -33,6 +35,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 MARKER = re.compile(r"#\s*tsl-docs:\s*(needs cuda|skip\b.*)")
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
+# Code that starts worker processes: under spawn or forkserver (Python 3.14's default on Linux, for
+# DataLoaders too) they re-run the script's top level, so a script that does this needs its main guard.
+STARTS_WORKERS = re.compile(r"\b(FileStorageLoader|DataLoader|Trainer|Process)\(")
+MAIN_GUARD = 'if __name__ == "__main__":'
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -94,25 +100,18 @@ def test_examples_run(page, request, tmp_path):
     if not runnable:
         pytest.skip(f"every example of this page is marked to skip: {markers}")
     script = "\n\n".join(runnable)
-    env = {**os.environ}
+    if STARTS_WORKERS.search(script):
+        assert MAIN_GUARD in script, f"{page.relative_to(ROOT)}: examples that start workers need `{MAIN_GUARD}`"
+    env = {}
     if "TSL_REDIS_URL" in script:
         env["TSL_REDIS_URL"] = request.getfixturevalue("redis_server").url
     if "TSL_S3_" in script:
         server = request.getfixturevalue("s3_server")
         env["TSL_S3_BUCKET"] = f"s3://{request.getfixturevalue('s3_bucket')}"
         env["TSL_S3_OPTIONS"] = json.dumps(server.storage_options)
-    # Run as code typed into an interpreter or a notebook (no main module file for spawned loader
-    # workers to re-run); a script file needs `if __name__ == "__main__":`, as getting-started.md says.
-    result = subprocess.run(
-        [sys.executable, *_warning_flags(), "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = run_script(script, tmp_path, timeout=240, env=env, python_args=tuple(_warning_flags()))
     assert result.returncode == 0, (
-        f"the examples of {page.relative_to(ROOT)} failed:\n{script}\n"
+        f"the examples of {page.relative_to(ROOT)}, run as a script, failed:\n{script}\n"
         f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     )
 

@@ -35,7 +35,13 @@ from typing import Any
 from ._options import check_option
 from ._shm.alloc import FillInfo, check_slot_options
 from ._shm.segments import default_shm_budget, shm_dir
-from ._workers.pool import WorkerConfig, WorkerPool
+from ._workers.pool import (
+    MAIN_GUARD_FIX,
+    UNGUARDED_MAIN_EXIT,
+    WorkerConfig,
+    WorkerPool,
+    refuse_start_while_bootstrapping,
+)
 from ._workers.protocol import Failed, Loaded, WorkerLost
 from .errors import LoadCancelledError, WorkerDiedError
 from .storage import Storage
@@ -132,10 +138,15 @@ class _WorkersCannotStart(Exception):
 
     def error_for(self, storage: Storage) -> WorkerDiedError:
         code = self.event.exitcode
+        if code == UNGUARDED_MAIN_EXIT:
+            why = (
+                "they import this script again (spawn and forkserver do) and its top-level code starts loaders: "
+                f"{MAIN_GUARD_FIX}"
+            )
+        else:
+            why = f"their error output says why (under spawn or forkserver, {MAIN_GUARD_FIX})"
         return WorkerDiedError(
-            f"loader workers exit with code {code} as they start, so {storage!r} was not loaded; their error "
-            "output says why (under spawn or forkserver, a script that starts loaders needs "
-            "`if __name__ == '__main__':`)",
+            f"loader workers exit with code {code} as they start, so {storage!r} was not loaded; {why}",
             storage=storage,
             exitcode=code,
         )
@@ -369,6 +380,8 @@ class StorageLoader(ABC):
     def _submit(self, storage: Storage, callback: Callable[[Any], None] | None) -> Future[Any]:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage must be a Storage handle, got {type(storage).__name__}")
+        if not self._started:
+            refuse_start_while_bootstrapping()  # before anything is queued: this process exits or raises
         req = _Request(storage, callback)
         self._on_submit(storage)
         with self._lock:

@@ -9,6 +9,7 @@ import os
 import pickle
 import selectors
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -19,11 +20,37 @@ from ..errors import unpack_exception
 from .protocol import STOP, Failed, Load, Loaded, Ready, WorkerLost, loads_with_fds, recv_fds
 from .worker import run_worker
 
-__all__ = ["WorkerConfig", "WorkerPool"]
+__all__ = ["UNGUARDED_MAIN_EXIT", "WorkerConfig", "WorkerPool", "refuse_start_while_bootstrapping"]
 
 logger = logging.getLogger("torch_storage_loader")
 
 MAX_STARTUP_FAILURES = 3  # workers in a row that exit with an error before they are up: stop replacing them
+WORKER_NAME = "tsl-loader-worker-"
+# A worker re-running a script's top level (no main guard) exits with this code when that code starts
+# loaders: every worker would, so none is replaced, and the parent alone tells the trainer the fix.
+UNGUARDED_MAIN_EXIT = 87
+MAIN_GUARD_FIX = 'put the code that starts loaders under `if __name__ == "__main__":`'
+
+
+def refuse_start_while_bootstrapping() -> None:
+    """Before starting workers: in a process still importing its parent's main script (what spawn and
+    forkserver children do first), starting processes is a script without its main guard, run again.
+
+    A loader worker of ours exits at once with ``UNGUARDED_MAIN_EXIT`` (before the rest of the script
+    runs again, and without a traceback per worker); any other process gets a ``RuntimeError`` naming
+    the guard, instead of multiprocessing's own error from a thread.
+    """
+    process = mp.current_process()
+    if not getattr(process, "_inheriting", False):  # multiprocessing sets it while a child imports main
+        return
+    if process.name.startswith(WORKER_NAME):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(UNGUARDED_MAIN_EXIT)  # a forkserver child's SystemExit would exit with 1
+    raise RuntimeError(
+        f"process {process.name!r} starts loader workers while it imports the main script again (it was "
+        f"started with spawn or forkserver): {MAIN_GUARD_FIX}"
+    )
 
 
 @dataclass(frozen=True)
@@ -82,7 +109,7 @@ class WorkerPool:
             proc = self._ctx.Process(
                 target=run_worker,
                 args=(child, cfg.n_slots, cfg.shm_directory, cfg.max_rings, cfg.budget, _objects.snapshot()),
-                name=f"tsl-loader-worker-{index}",
+                name=f"{WORKER_NAME}{index}",
                 daemon=True,
             )
             proc.start()
@@ -216,6 +243,8 @@ class WorkerPool:
         code = self._bury(worker, timeout=5)
         failed_to_start = not worker.ready and code is not None and code > 0
         self._startup_failures = self._startup_failures + 1 if failed_to_start else 0
+        if failed_to_start and code == UNGUARDED_MAIN_EXIT:
+            self._startup_failures = MAX_STARTUP_FAILURES  # a replacement would run the same script again
         restarted = not self._stopped and self._startup_failures < MAX_STARTUP_FAILURES
         if restarted:
             self._spawn(worker.index)

@@ -26,6 +26,9 @@ class StreamQueue(Protocol):
     @property
     def family(self) -> str: ...
 
+    @property
+    def trusted_roots(self) -> list[str]: ...
+
     def join_trainer(self, trainer: str) -> None: ...
 
     def get(self, timeout: float | None = None) -> tuple[str, Storage] | None: ...
@@ -74,6 +77,8 @@ class RedisSource:
             try:
                 item = q.get()
             except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+                if isinstance(exc, UntrustedStorageError) and not q.trusted_roots:
+                    raise  # a misconfiguration, not an attack: get() left the entry in the stream
                 self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
                 _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
                 continue

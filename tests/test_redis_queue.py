@@ -774,3 +774,30 @@ def test_a_dataset_trusting_no_root_raises_out_of_next_and_loses_nothing(redis_s
         assert (s["acked"], s["refused"], s["pending"], s["failed"]) == (6, 0, 0, 0), s
     finally:
         q.delete()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_dataset_counts_what_its_source_refused(redis_server, handles, tmp_path, num_workers):
+    """Handles outside the configured roots stay refused and acknowledged, and the dataset counts them,
+    also those refused after a worker's last sample, or with no sample at all."""
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    store = os.path.dirname(handles[0].path)
+    for goods in (0, 2):
+        q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[store])
+        try:
+            for h in handles[:goods]:
+                q.put(h)
+            for i in range(5):
+                q.put(FileStorage(tmp_path / "elsewhere" / f"{i}.tsl"))
+            q.close()
+            ds = StorageDataset(q)
+            got = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=60 if num_workers else 0))
+            assert len(got) == goods
+            del got
+            assert q.stats()["refused"] == 5
+            assert ds.stats()["refused"] == 5, ds.stats()
+        finally:
+            q.delete()

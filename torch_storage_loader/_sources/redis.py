@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .._format import limits as _limits
+from .._format import trust as _trust
 from .._redis.keys import family as _family
 from ..errors import HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError
 from ..storage import Storage
@@ -64,6 +65,11 @@ class RedisSource:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         type(self).__init__(self, state["queue"])
+
+    @property
+    def roots(self) -> _trust.Roots:
+        """The roots handles from this source may name (its queue's, with any the dataset added)."""
+        return _trust.roots(self.queue.trusted_roots)
 
     def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource:
         """This source, or one over a copy of its queue that also trusts ``trusted_roots``."""

@@ -62,9 +62,10 @@ class StorageDataset(IterableDataset[Any]):
 
     ``trusted_roots`` (absolute directories and ``proto://bucket/prefix`` URLs) add to a network
     source's own (``RedisStorageQueue(trusted_roots=...)``): handles read from the network load only
-    if they name a file or object under one of them; with none, every such handle is refused and
-    counted (``stats()["refused"]``, which also counts refused claims of directory and prefix
-    sources). ``storage_options`` (given to fsspec as they are) apply to the buckets this dataset
+    if they name a file or object under one of them; others are refused and counted
+    (``stats()["refused"]``, which also counts refused claims of directory and prefix sources). With
+    no roots at all, the first such handle raises ``UntrustedStorageError`` out of the DataLoader and
+    stays in the stream for a consumer that has them. ``storage_options`` (given to fsspec as they are) apply to the buckets this dataset
     names: that prefix's, its handles' (a list), and those of the object-store roots it trusts; never
     to other buckets a handle might name. They reach the DataLoader workers, as does
     ``configure_object_store``'s configuration.

@@ -49,7 +49,8 @@ class RedisSource:
     DataLoader workers read as consumers named after their trainer; the trainer acknowledges an
     entry once it received its sample, or gives it back (``RedisStorageQueue.give_back``) when its
     DataLoader stops first. A file that cannot be read fails everywhere, so its entry is
-    acknowledged too and counted as ``failed``.
+    acknowledged too and counted as ``failed``. Refused entries are skipped and counted (``refused``),
+    except where the queue trusts no root at all: that misconfiguration raises (``get`` gave the entry back).
     """
 
     finite = False

@@ -61,13 +61,15 @@ def test_a_trainer_without_trusted_roots_fails_loudly_and_the_next_one_gets_ever
         assert forgot.returncode != 0, f"a trainer trusting no root ended normally:\n{forgot.stdout[-2000:]}"
         assert "trusted_roots=" in forgot.stderr and str(data) in forgot.stderr, forgot.stderr[-3000:]
         s = q.stats()
-        assert s["acked"] == 0 and s["refused"] == 0, f"the misconfigured trainer consumed entries: {s}"
+        assert (s["acked"], s["refused"], s["delivered"]) == (0, 0, 0), (
+            f"the misconfigured trainer consumed entries: {s}"
+        )
 
         ok = run_script(CONSUMER, tmp_path, timeout=120, args=(url, stream, str(data)))
         assert ok.returncode == 0, ok.stderr[-3000:]
         line = next(x for x in ok.stdout.splitlines() if x.startswith("ids"))
         assert sorted(int(i) for i in line.split()[1:]) == list(range(N)), line
         s = q.stats()
-        assert (s["acked"], s["refused"], s["pending"], s["undelivered"]) == (N, 0, 0, 0), s
+        assert (s["delivered"], s["acked"], s["refused"], s["pending"], s["undelivered"]) == (N, N, 0, 0, 0), s
     finally:
         q.delete()

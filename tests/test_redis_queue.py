@@ -771,7 +771,7 @@ def test_a_dataset_trusting_no_root_raises_out_of_next_and_loses_nothing(redis_s
         ids = sorted(int(s["info"]["id"]) for s in DataLoader(StorageDataset(configured), batch_size=None))
         assert ids == list(range(6))
         s = q.stats()
-        assert (s["acked"], s["refused"], s["pending"], s["failed"]) == (6, 0, 0, 0), s
+        assert (s["delivered"], s["acked"], s["refused"], s["pending"], s["failed"]) == (6, 6, 0, 0, 0), s
     finally:
         q.delete()
 

@@ -65,10 +65,10 @@ class StorageDataset(IterableDataset[Any]):
     if they name a file or object under one of them; others are refused and counted
     (``stats()["refused"]``, which also counts refused claims of directory and prefix sources). With
     no roots at all, the first such handle raises ``UntrustedStorageError`` out of the DataLoader and
-    stays in the stream for a consumer that has them. ``storage_options`` (given to fsspec as they are) apply to the buckets this dataset
-    names: that prefix's, its handles' (a list), and those of the object-store roots it trusts; never
-    to other buckets a handle might name. They reach the DataLoader workers, as does
-    ``configure_object_store``'s configuration.
+    stays in the stream for a consumer that has them. ``storage_options`` (given to fsspec as they
+    are) apply to the buckets this dataset names: that prefix's, its handles' (a list), and those of
+    the object-store roots it trusts; never to other buckets a handle might name. They reach the
+    DataLoader workers, as does ``configure_object_store``'s configuration.
 
     Finite sources work like ``DistributedSampler``: ``shuffle=True`` draws a permutation of
     ``(seed, epoch)``, the same on every rank; every rank yields the same number of items

@@ -801,3 +801,23 @@ def test_the_dataset_counts_what_its_source_refused(redis_server, handles, tmp_p
             assert ds.stats()["refused"] == 5, ds.stats()
         finally:
             q.delete()
+
+
+def test_forked_workers_do_not_count_the_trainers_refusals_again(redis_server, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[str(tmp_path / "mine")])
+    try:
+        for i in range(5):
+            q.put(FileStorage(tmp_path / "elsewhere" / f"{i}.tsl"))
+        q.close()
+        ds = StorageDataset(q)
+        assert list(DataLoader(ds, batch_size=None, num_workers=0)) == []
+        assert ds.stats()["refused"] == 5
+        # the stream is drained: forked workers (which inherit the trainer's source) end at once
+        assert list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)) == []
+        assert ds.stats()["refused"] == 5, ds.stats()
+    finally:
+        q.delete()

@@ -535,6 +535,7 @@ class StorageDataset(IterableDataset[Any]):
         if self._writer is None or self._writer.ledger_id != ref.id:
             feed = ref.feeds[worker.id] if ref.feeds is not None else None
             self._writer = LedgerWriter(ref.id, ref.writers[worker.id], feed, ref.trainer_pid)
+            self._refused_sent += self._unsent_refusals()  # a forked worker's inherited count is the trainer's
         self._writer.restart()
         return self._writer
 

@@ -444,3 +444,22 @@ def test_ddp_training_on_uneven_data_never_hangs(handles, tmp_path, options):
         if options.get("shuffle"):
             for r in range(2):
                 assert ids[r] == expected_order(5, options.get("seed", 0), e, 2, r, drop)[: steps * b]
+
+
+def test_storage_options_reach_the_buckets_a_redis_queue_trusts():
+    """Regression (issue 28): the dataset read the queue's roots from a private attribute that had
+    moved, so a Redis queue trusting s3:// roots named no bucket for ``storage_options``."""
+    from torch_storage_loader import RedisStorageQueue
+    from torch_storage_loader._stores import config as _stores_config
+    from torch_storage_loader._stores import objects as _objects
+
+    before = _objects.snapshot()
+    try:
+        q = RedisStorageQueue("redis://127.0.0.1:1/0", "never-connected", trusted_roots=["s3://queue-bucket/run"])
+        StorageDataset(q, storage_options={"key": "K", "secret": "S"})
+        assert _objects.config_for("s3://queue-bucket/run/a.tsl").storage_options == {"key": "K", "secret": "S"}
+        assert _objects.config_for("s3://someone-else/x.tsl").storage_options == {}
+    finally:
+        with _stores_config._lock:
+            _stores_config._config.clear()
+            _stores_config._config.update(before)

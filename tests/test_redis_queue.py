@@ -713,3 +713,111 @@ def test_entries_another_trainer_holds_do_not_hold_the_end_back(redis_server):
         assert q.get(timeout=5) is None
     finally:
         q.delete()
+
+
+# -- issue 28: a consumer that trusts no root loses nothing; what is refused is counted -----------------
+
+
+def test_a_consumer_trusting_no_root_raises_and_leaves_the_entry_for_a_configured_one(redis_server, tmp_path):
+    from torch_storage_loader import UntrustedStorageError
+
+    stream = _stream()
+    forgot = RedisStorageQueue(redis_server.url, stream, prefetch=3)  # no trusted_roots
+    configured = RedisStorageQueue(redis_server.url, stream, trusted_roots=[str(tmp_path)])
+    try:
+        paths = [str(tmp_path / f"{i}.tsl") for i in range(3)]
+        for p in paths:
+            forgot.put(FileStorage(p))
+        forgot.close()
+        for _ in range(2):  # refused again each time: it never gives up the entries, nor consumes them
+            with pytest.raises(UntrustedStorageError, match="trusted_roots=") as info:
+                forgot.get(timeout=5)
+            assert any(p in str(info.value) for p in paths), info.value
+        s = forgot.stats()
+        assert (s["acked"], s["refused"], s["pending"], s["delivered"]) == (0, 0, 0, 0), s
+        got = []
+        for token, storage in configured:  # at once: nothing waits for claim_after
+            got.append(storage.path)
+            configured.ack(token)
+        assert sorted(got) == paths
+        s = configured.stats()
+        assert (s["delivered"], s["acked"], s["refused"], s["pending"]) == (3, 3, 0, 0), s
+    finally:
+        forgot.delete()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_trusting_no_root_raises_out_of_next_and_loses_nothing(redis_server, handles, num_workers):
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset, UntrustedStorageError
+
+    stream, store = _stream(), os.path.dirname(handles[0].path)
+    q = RedisStorageQueue(redis_server.url, stream)
+    try:
+        for h in handles[:6]:
+            q.put(h)
+        q.close()
+        it = iter(
+            DataLoader(StorageDataset(q), batch_size=None, num_workers=num_workers, timeout=60 if num_workers else 0)
+        )
+        started = time.monotonic()
+        with pytest.raises(UntrustedStorageError, match="trusted_roots=") as info:
+            next(it)
+        message = str(info.value)
+        del info, it  # the traceback holds the iterator: its workers stop once both are gone
+        assert store in message and time.monotonic() - started < 30
+        configured = RedisStorageQueue(redis_server.url, stream, trusted_roots=[store])
+        ids = sorted(int(s["info"]["id"]) for s in DataLoader(StorageDataset(configured), batch_size=None))
+        assert ids == list(range(6))
+        s = q.stats()
+        assert (s["delivered"], s["acked"], s["refused"], s["pending"], s["failed"]) == (6, 6, 0, 0, 0), s
+    finally:
+        q.delete()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_dataset_counts_what_its_source_refused(redis_server, handles, tmp_path, num_workers):
+    """Handles outside the configured roots stay refused and acknowledged, and the dataset counts them,
+    also those refused after a worker's last sample, or with no sample at all."""
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    store = os.path.dirname(handles[0].path)
+    for goods in (0, 2):
+        q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[store])
+        try:
+            for h in handles[:goods]:
+                q.put(h)
+            for i in range(5):
+                q.put(FileStorage(tmp_path / "elsewhere" / f"{i}.tsl"))
+            q.close()
+            ds = StorageDataset(q)
+            got = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=60 if num_workers else 0))
+            assert len(got) == goods
+            del got
+            assert q.stats()["refused"] == 5
+            assert ds.stats()["refused"] == 5, ds.stats()
+        finally:
+            q.delete()
+
+
+def test_forked_workers_do_not_count_the_trainers_refusals_again(redis_server, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=[str(tmp_path / "mine")])
+    try:
+        for i in range(5):
+            q.put(FileStorage(tmp_path / "elsewhere" / f"{i}.tsl"))
+        q.close()
+        ds = StorageDataset(q)
+        assert list(DataLoader(ds, batch_size=None, num_workers=0)) == []
+        assert ds.stats()["refused"] == 5
+        # the stream is drained: forked workers (which inherit the trainer's source) end at once
+        assert list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)) == []
+        assert ds.stats()["refused"] == 5, ds.stats()
+    finally:
+        q.delete()

@@ -15,6 +15,7 @@ and streaming sources alike; what it uses has its own home (``_sources``, ``_dat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -26,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ._dataloader import hooks
 from ._dataloader.epochs import EpochCounters
-from ._dataloader.items import WorkerItem, counts, record
+from ._dataloader.items import WorkerItem, counts, record, record_refused
 from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._format import trust as _trust
 from ._options import check_option
@@ -35,6 +36,7 @@ from ._shm.alloc import check_slot_options
 from ._shm.filling import LocalFiller, SlotFiller
 from ._shm.segments import default_shm_budget
 from ._sources import DirectorySource, ListSource, Source, as_source, end_directory_stream
+from ._sources.redis import RedisSource
 from ._stores import objects as _objects
 from .storage import Storage
 
@@ -61,12 +63,13 @@ class StorageDataset(IterableDataset[Any]):
 
     ``trusted_roots`` (absolute directories and ``proto://bucket/prefix`` URLs) add to a network
     source's own (``RedisStorageQueue(trusted_roots=...)``): handles read from the network load only
-    if they name a file or object under one of them; with none, every such handle is refused and
-    counted (``stats()["refused"]``, which also counts refused claims of directory and prefix
-    sources). ``storage_options`` (given to fsspec as they are) apply to the buckets this dataset
-    names: that prefix's, its handles' (a list), and those of the object-store roots it trusts; never
-    to other buckets a handle might name. They reach the DataLoader workers, as does
-    ``configure_object_store``'s configuration.
+    if they name a file or object under one of them; others are refused and counted
+    (``stats()["refused"]``, which also counts refused claims of directory and prefix sources). With
+    no roots at all, the first such handle raises ``UntrustedStorageError`` out of the DataLoader and
+    stays in the stream for a consumer that has them. ``storage_options`` (given to fsspec as they
+    are) apply to the buckets this dataset names: that prefix's, its handles' (a list), and those of
+    the object-store roots it trusts; never to other buckets a handle might name. They reach the
+    DataLoader workers, as does ``configure_object_store``'s configuration.
 
     Finite sources work like ``DistributedSampler``: ``shuffle=True`` draws a permutation of
     ``(seed, epoch)``, the same on every rank; every rank yields the same number of items
@@ -191,7 +194,7 @@ class StorageDataset(IterableDataset[Any]):
         self._owner = os.getpid()
         self._epochs = EpochCounters() if self.source.finite else None  # shared with the DataLoader's workers
         self._skipped = 0
-        self._refused_sent = 0  # of the source's refusals in this process, those counted already
+        self._refused_sent = 0  # of the source's refusals in this worker, those reported to the trainer
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
         self._materialize = False  # set per iteration: see hooks.fetch_context
@@ -249,8 +252,8 @@ class StorageDataset(IterableDataset[Any]):
         src = self.source
         path = getattr(src, "path", None)
         found = [_trust.roots([path]) if _objects.is_url(path) else _trust.Roots(), roots]
-        queue = getattr(src, "queue", None)
-        found.append(getattr(queue, "_roots", _trust.Roots()))
+        if isinstance(src, RedisSource):
+            found.append(src.roots)  # the queue's own (the dataset's are among them)
         buckets = _trust.object_roots(found)
         if isinstance(src, ListSource):
             buckets += [_objects.root(h.path) for h in src.handles if _objects.is_url(h.path)]
@@ -358,13 +361,19 @@ class StorageDataset(IterableDataset[Any]):
         return counts(self._uid, self._skipped, self._unsent_refusals()) | {"padded": padded}
 
     def _unsent_refusals(self) -> int:
-        """Refusals of this process's source not yet counted (they travel with the next sample)."""
+        """Refusals of this process's source not yet reported (a worker reports them to its trainer's ledger)."""
         return getattr(self.source, "refused", 0) - self._refused_sent
 
-    def _take_refusals(self) -> int:
+    def _report_refusals(self, writer: LedgerWriter) -> None:
+        """In a DataLoader worker: tell the trainer what the source refused since the last report."""
         refused = self._unsent_refusals()
-        self._refused_sent += refused
-        return refused
+        if refused:
+            self._refused_sent += refused
+            writer.refused(refused)
+
+    def _tsl_refused(self, n: int) -> None:
+        """For ``hooks``: a worker's source refused ``n`` entries (called on the trainer's ledger thread)."""
+        record_refused(self._uid, n)
 
     # --------------------------------------------------------------------------- iteration
     def _next_epoch(self, num_workers: int, wid: int) -> tuple[int, int]:
@@ -451,6 +460,7 @@ class StorageDataset(IterableDataset[Any]):
             for token, storage in pairs:
                 group.append((token, storage))
                 if writer is not None:
+                    self._report_refusals(writer)
                     writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
@@ -468,6 +478,9 @@ class StorageDataset(IterableDataset[Any]):
             pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
             if group and writer is None:
                 src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
+            if writer is not None:
+                with contextlib.suppress(OSError):  # the trainer may be gone: never hide why the stream stopped
+                    self._report_refusals(writer)  # those after the last sample, or with none at all
 
     def _load_stream(
         self,
@@ -521,6 +534,7 @@ class StorageDataset(IterableDataset[Any]):
         if self._writer is None or self._writer.ledger_id != ref.id:
             feed = ref.feeds[worker.id] if ref.feeds is not None else None
             self._writer = LedgerWriter(ref.id, ref.writers[worker.id], feed, ref.trainer_pid)
+            self._refused_sent += self._unsent_refusals()  # a forked worker's inherited count is the trainer's
         self._writer.restart()
         return self._writer
 
@@ -557,8 +571,8 @@ class StorageDataset(IterableDataset[Any]):
         if in_worker and self._materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if in_worker:
-            return WorkerItem(self._uid, info, skipped, self._take_refusals(), payload, filler)
-        record(self._uid, info, skipped, self._take_refusals())
+            return WorkerItem(self._uid, info, skipped, payload, filler)
+        record(self._uid, info, skipped)
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy
         return payload

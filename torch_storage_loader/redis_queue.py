@@ -65,15 +65,15 @@ class RedisStorageQueue:
     sent (one ``h`` field of at most 64 KiB), then decoded as data with an exact schema (see
     ``_codec``), and a ``FileStorage`` or ``ObjectStorage`` handle is delivered only if it names a
     file under one of ``trusted_roots`` (absolute directories) or an object under one of them
-    (``s3://bucket/prefix``); with none given, every such handle is refused. A refused entry is
-    acknowledged and counted (``stats()["refused"]``), never delivered again.
+    (``s3://bucket/prefix``); others are refused, acknowledged and counted (``stats()["refused"]``). With
+    none at all, ``get`` raises ``UntrustedStorageError`` and gives the entry back undelivered: nothing lost.
 
     Connection loss is retried with back-off for ``retry_timeout`` seconds (``retry_for``, its old
     name, still works and warns), then raises ``RedisUnavailableError`` naming the URL without its
     secrets (``rediss://``, users and passwords come from the URL, in any form redis-py reads; they
-    are never logged or shown). A ``put`` retried after a lost reply may append the handle twice. The queue pickles as its URL and options; each process connects on
-    first use. ``disconnect()`` (or leaving ``with queue:``) closes this process's connections; the
-    next call reconnects.
+    are never logged or shown). A ``put`` retried after a lost reply may append the handle twice.
+    The queue pickles as its URL and options; each process connects on first use. ``disconnect()``
+    (or leaving ``with queue:``) closes this process's connections; the next call reconnects.
 
     Beyond one server: ``cluster=True`` for any node of a Redis Cluster (all the stream's keys share
     the hash tag ``{stream}``, so one slot); ``redis+sentinel://host:port[,host:port...]/SERVICE[/DB]``
@@ -271,7 +271,7 @@ class RedisStorageQueue:
             HandleRecordError: an entry is not a handle record (acknowledged and counted as
                 ``refused``: never delivered again; a ``StorageDataset`` skips such entries).
             UnregisteredStorageTypeError: an entry names an unregistered Storage type (likewise).
-            UntrustedStorageError: an entry names a path or bucket outside ``trusted_roots`` (likewise).
+            UntrustedStorageError: an entry names a path or bucket outside ``trusted_roots`` (likewise if any).
             RedisStreamLostError: the stream this process used is gone.
         """
         return self._reader.get(timeout)
@@ -357,12 +357,12 @@ class RedisStorageQueue:
     def stats(self) -> dict[str, int]:
         """Counts for the group, across all processes and machines.
 
-        ``delivered`` (handed out, redeliveries included), ``claimed`` (taken over from a consumer
-        idle for ``claim_after``), ``acked``, ``duplicates`` (entries delivered or acknowledged more
-        than once), ``failed`` (acknowledged after a failed load), ``refused`` (entries that were not
-        handle records), ``lost`` (pending entries deleted by someone else), ``returned`` (given back
-        undelivered by a stopped DataLoader, and delivered again); and now: ``length``
-        (entries in the stream), ``pending`` (delivered, not acknowledged), ``undelivered``.
+        ``delivered`` (handed out, redeliveries included), ``claimed`` (taken over from a consumer idle for
+        ``claim_after``), ``acked``, ``duplicates`` (entries delivered or acknowledged more than once), ``failed``
+        (acknowledged after a failed load), ``refused`` (not handle records, or outside ``trusted_roots``), ``lost``
+        (pending entries deleted by someone else), ``returned`` (given back undelivered by a stopped DataLoader, and
+        delivered again); and now: ``length`` (entries in the stream), ``pending`` (delivered, not acknowledged),
+        ``undelivered``.
 
         Returns:
             The counts by name.

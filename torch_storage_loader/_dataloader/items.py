@@ -15,7 +15,7 @@ from typing import Any
 from .._shm.filling import FillInfo, SlotFiller
 from . import hooks
 
-__all__ = ["STAT_KEYS", "WorkerItem", "counts", "record"]
+__all__ = ["STAT_KEYS", "WorkerItem", "counts", "record", "record_refused"]
 
 _stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _stats_lock = threading.Lock()
@@ -29,15 +29,19 @@ def _renew_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_renew_lock_in_child)
 
 
-def record(uid: str, info: FillInfo, skipped: int, refused: int = 0) -> None:
-    """Add one delivered fill (and the handles skipped or refused before it) to dataset ``uid``'s counts."""
+def record(uid: str, info: FillInfo, skipped: int) -> None:
+    """Add one delivered fill (and the handles skipped before it) to dataset ``uid``'s counts."""
     with _stats_lock:
         c = _stats[uid]
         info.count(c)
         if skipped:
             c["skipped"] += skipped
-        if refused:
-            c["refused"] += refused
+
+
+def record_refused(uid: str, refused: int) -> None:
+    """Add what the sources of dataset ``uid`` refused in a DataLoader worker (its ledger reports them)."""
+    with _stats_lock:
+        _stats[uid]["refused"] += refused
 
 
 STAT_KEYS = (
@@ -57,12 +61,10 @@ STAT_KEYS = (
 class WorkerItem:
     """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
 
-    __slots__ = ("filler", "info", "payload", "refused", "skipped", "uid")
+    __slots__ = ("filler", "info", "payload", "skipped", "uid")
 
-    def __init__(
-        self, uid: str | None, info: FillInfo, skipped: int, refused: int, payload: Any, filler: SlotFiller
-    ) -> None:
-        self.uid, self.info, self.skipped, self.refused = uid, info, skipped, refused
+    def __init__(self, uid: str | None, info: FillInfo, skipped: int, payload: Any, filler: SlotFiller) -> None:
+        self.uid, self.info, self.skipped = uid, info, skipped
         self.payload, self.filler = payload, filler
 
     def __reduce__(self):
@@ -77,15 +79,12 @@ class WorkerItem:
             info.copied,
             self.skipped,
             self.payload,
-            self.refused,
         )
 
 
-def _receive(
-    uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any, refused: int = 0
-) -> Any:
+def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, skipped: int, sample: Any) -> Any:
     if uid is not None:
-        record(uid, FillInfo(via, nbytes, regrew, copied), skipped, refused)
+        record(uid, FillInfo(via, nbytes, regrew, copied), skipped)
     return sample
 
 
@@ -99,7 +98,7 @@ def _collate(batch: list[WorkerItem], *, collate_fn_map=None) -> Any:
     if opts.device is None:
         return collated
     info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
-    return WorkerItem(None, info, 0, 0, payload, first.filler)  # its samples are not counted, as without device=
+    return WorkerItem(None, info, 0, payload, first.filler)  # its samples are not counted, as without device=
 
 
 # The extension point torch documents for default_collate: a collate function per element type.

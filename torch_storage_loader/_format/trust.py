@@ -3,7 +3,8 @@
 A handle read from a network queue was written by whoever can write to that queue. A consumer
 loads it only if it names a file under one of its trusted directories, or an object under one of
 its trusted ``proto://bucket/prefix`` roots; with no roots configured, every such handle is
-refused, with an error that names the setting. Handles the consumer's own code makes (lists,
+refused, with an error that names the setting (a Redis consumer then raises it and leaves the entry
+in the stream: a misconfiguration loses nothing). Handles the consumer's own code makes (lists,
 ``StorageQueue``, ``loader.load(handle)``) and those a directory or prefix source makes from its
 own listing are not network handles: they are confined by construction.
 

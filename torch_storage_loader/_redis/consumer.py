@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from .._format import limits as _limits
-from ..errors import ProducerDiedError
+from ..errors import ProducerDiedError, UntrustedStorageError
 from ..storage import Storage
 from . import records as _records
 from .client import Client
@@ -135,16 +135,18 @@ class Consumer:
         c = self.client
         return int(c.call(lambda _: c.script("trim", [self.keys.stream], []), "trim the stream"))
 
-    def give_back(self, tokens: list[str], family: str | None) -> int:
+    def give_back(self, tokens: list[str], family: str | None, *, unread: bool = False) -> int:
+        """Append the entries anew, undelivered (``unread``: read here but never handed out)."""
         if not tokens:
             return 0
         for t in tokens:
             self.outstanding.pop(t, None)
         c, group = self.client, self.options.group
+        who = f"{family}/" if family else self.name
         return int(
             c.call(
                 lambda _: c.script(
-                    "return", self.keys.counted(), [c.epoch, group, f"{family}/" if family else self.name, *tokens]
+                    "return", self.keys.counted(), [c.epoch, group, who, "1" if unread else "0", *tokens]
                 ),
                 "give entries back",
             )
@@ -161,6 +163,17 @@ class Consumer:
 
     def _hand_out(self) -> tuple[str, Storage]:
         token, item = self.buffer.popleft()
+        if isinstance(item, UntrustedStorageError) and not self.options.roots:
+            # Not an attack but a misconfiguration: this consumer trusts no root at all. Loud, and it
+            # loses nothing: the entry (and what was read with it) goes back for a configured consumer.
+            tokens = [token] + [t for t, _ in self.buffer]
+            self.buffer.clear()
+            self.give_back(tokens, None, unread=True)
+            raise UntrustedStorageError(
+                f"Redis stream {self.options.stream!r}: {item}. Nothing is lost: the entry stays in the "
+                "stream, undelivered, for a consumer given trusted_roots=",
+                path=getattr(item, "path", None),
+            )
         if isinstance(item, Exception):
             k, group = self.keys, self.options.group
 

@@ -144,12 +144,14 @@ return {acked, dups}
 )
 
 # Give entries back: each still pending on a consumer of the family ARGV[3] (so not claimed by
-# another meanwhile) is acknowledged and its record appended again, undelivered.
+# another meanwhile) is acknowledged and its record appended again, undelivered. ARGV[4]: '1' if
+# they were read but never handed out (a consumer trusting no root): taken off 'delivered', not
+# counted as 'returned'.
 _RETURN = (
     _ALIVE
     + """
 local n = 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[2], ARGV[i], ARGV[i], 1)
   if #p > 0 and string.sub(p[1][2], 1, #ARGV[3]) == ARGV[3] then
     local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
@@ -160,7 +162,10 @@ for i = 4, #ARGV do
     end
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':returned', n) end
+if n > 0 then
+  if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':delivered', -n)
+  else redis.call('HINCRBY', KEYS[3], ARGV[2] .. ':returned', n) end
+end
 return n
 """
 )

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .._format import limits as _limits
+from .._format import trust as _trust
 from .._redis.keys import family as _family
 from ..errors import HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError
 from ..storage import Storage
@@ -25,6 +26,9 @@ class StreamQueue(Protocol):
 
     @property
     def family(self) -> str: ...
+
+    @property
+    def trusted_roots(self) -> list[str]: ...
 
     def join_trainer(self, trainer: str) -> None: ...
 
@@ -45,7 +49,8 @@ class RedisSource:
     DataLoader workers read as consumers named after their trainer; the trainer acknowledges an
     entry once it received its sample, or gives it back (``RedisStorageQueue.give_back``) when its
     DataLoader stops first. A file that cannot be read fails everywhere, so its entry is
-    acknowledged too and counted as ``failed``.
+    acknowledged too and counted as ``failed``. Refused entries are skipped and counted (``refused``),
+    except where the queue trusts no root at all: that misconfiguration raises (``get`` gave the entry back).
     """
 
     finite = False
@@ -62,6 +67,11 @@ class RedisSource:
     def __setstate__(self, state: dict[str, Any]) -> None:
         type(self).__init__(self, state["queue"])
 
+    @property
+    def roots(self) -> _trust.Roots:
+        """The roots handles from this source may name (its queue's, with any the dataset added)."""
+        return _trust.roots(self.queue.trusted_roots)
+
     def as_source(self, trusted_roots: list[str] | None = None) -> RedisSource:
         """This source, or one over a copy of its queue that also trusts ``trusted_roots``."""
         return self.queue.as_source(trusted_roots) if trusted_roots else self
@@ -74,6 +84,8 @@ class RedisSource:
             try:
                 item = q.get()
             except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+                if isinstance(exc, UntrustedStorageError) and not q.trusted_roots:
+                    raise  # a misconfiguration, not an attack: get() left the entry in the stream
                 self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
                 _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
                 continue

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import logging
+import mmap
 import queue as _queue
 import threading
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ FED, END, ERROR, STOP = "fed", "end", "error", "stop"
 TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
 PIPE_MAX = 1 << 20  # the most a feed's pipe is raised to (Linux's default limit for unprivileged users)
-PAGE = 4096  # a pipe stores each write from a fresh page when it does not fit the last one's rest
+PAGE = mmap.PAGESIZE  # a pipe stores each write from a fresh page when it does not fit the last one's rest
 OVERHEAD = 16  # bytes a burst's message adds per handle, at most
 HANDLE_BYTES = 1024  # what a pipe is sized for per handle waiting in it (a FileStorage pickles to ~150)
 STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and goes on

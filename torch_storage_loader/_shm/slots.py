@@ -37,10 +37,13 @@ from .segments import ShmSegment
 
 __all__ = ["CTRL", "MAX_SLOTS", "SlotRing", "page_round", "retire_rings"]
 
-PAGE = mmap.PAGESIZE
-CTRL = 4096  # control block: identity and lifetime words, then one int64 state word per slot
+PAGE = mmap.PAGESIZE  # 4 KiB on x86-64; 16 or 64 KiB on many arm64 kernels (Grace Hopper among them)
+_CTRL_WORDS = 512  # identity and lifetime words, then one int64 state word per slot
 _UID, _RETIRED, _SENT, _RECEIVED, _STATES = 0, 2, 3, 4, 8  # word offsets (the uid takes two words)
-MAX_SLOTS = CTRL // 8 - _STATES
+MAX_SLOTS = _CTRL_WORDS - _STATES
+# The control block fills whole pages, so that every slot starts on a page: madvise(MADV_REMOVE)
+# and page-locking act on pages.
+CTRL = max(PAGE, -(-_CTRL_WORDS * 8 // PAGE) * PAGE)
 _REMOVE = getattr(mmap, "MADV_REMOVE", None)
 
 

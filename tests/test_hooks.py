@@ -220,3 +220,66 @@ def test_dataloader_side_batching_stays_open_to_single_samples_and_collate_fns(h
         collate_fn=lambda bs: torch.cat([b["action"] for b in bs]),
     )
     assert [tuple(b.shape) for b in joined] == [(4, 8), (4, 8)]  # two dataset batches of 2 trajectories
+
+
+# A StorageDataset iterator whose worker raised is garbage in a reference cycle (torch's re-raise);
+# a DataLoader started before the collector ran forks it into its workers, whose collector then
+# ran its shutdown there: torch's "can only test a child process", and the handles the trainer's
+# ledger held were given back to the queue once per worker (delivered twice).
+_COLLECTED_IN_A_FORK = """import gc
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset
+
+from torch_storage_loader import Storage, StorageDataset, StorageQueue
+
+
+class Flaky(Storage):
+    def __init__(self, i):
+        super().__init__(str(i))
+        self.i = i
+
+    def save(self, data):
+        pass
+
+    def load(self):
+        if self.i == 5:
+            raise ValueError("sample 5 is bad")
+        return {"i": np.array([self.i])}
+
+
+class Collects(IterableDataset):  # a later DataLoader: its forked workers run the garbage collector
+
+    def __iter__(self):
+        gc.collect()
+        yield 0
+
+
+if __name__ == "__main__":
+    gc.disable()  # the trainer's collector has not run yet when the next DataLoader forks its workers
+    q = StorageQueue()
+    for i in range(40):
+        q.put(Flaky(i))
+    q.close()
+    seen = []
+    try:
+        for s in DataLoader(StorageDataset(q), batch_size=None, num_workers=2):
+            seen.append(int(s["i"][0]))
+    except ValueError:
+        print("worker error reached the trainer", flush=True)
+    list(DataLoader(Collects(), batch_size=None, num_workers=2))
+    gc.collect()
+    rest = [int(s["i"][0]) for s in DataLoader(StorageDataset(q), batch_size=None, num_workers=0)]
+    print(sorted(seen + rest))
+"""
+
+
+def test_an_iterator_collected_in_a_forked_worker_leaves_the_trainers_workers_and_handles(tmp_path):
+    from _helpers import run_script
+
+    out = run_script(_COLLECTED_IN_A_FORK, tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "worker error reached the trainer"
+    assert eval(lines[1]) == [i for i in range(40) if i != 5]  # each once; the bad one raised

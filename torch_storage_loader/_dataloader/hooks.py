@@ -38,6 +38,7 @@ import functools
 import inspect
 import logging
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -280,6 +281,7 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
+        self._tsl_pid = getpid()
         self._tsl_device = device = loader.dataset.device
         self._tsl_ledger = ledger = _open(loader)
         try:
@@ -329,10 +331,13 @@ def _delivering(cls: type) -> type:
             ledger.handed()  # not before: until here, a dead worker's error may still be raised
         return out
 
-    getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
+    # Kept here: at interpreter exit, module globals are gone before __del__ runs.
+    getframe, getpid = sys._getframe, os.getpid
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
+        if self._tsl_pid != getpid():  # collected in a process forked from the trainer (a later DataLoader's
+            return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
         try:

@@ -12,9 +12,17 @@ from torch_storage_loader import UnsupportedTorchError
 from torch_storage_loader._dataloader import hooks
 
 
-def test_the_installed_torch_has_what_the_hooks_wrap():
+def test_the_installed_torch_has_what_the_hooks_wrap(handles):
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
     hooks.install()  # idempotent
-    assert dataloader._MultiProcessingDataLoaderIter._tsl_delivery
+    torch_class = dataloader._MultiProcessingDataLoaderIter
+    it = iter(DataLoader(StorageDataset(handles[:2]), batch_size=None, num_workers=1))
+    # A StorageDataset's iterator is a subclass of torch's with the hooks; torch's class keeps its methods.
+    assert type(it).__bases__ == (torch_class,) and type(it)._process_data is not torch_class._process_data
+    assert sorted(int(s["info"]["id"]) for s in it) == [0, 1]
 
 
 class _OldIterator(dataloader._MultiProcessingDataLoaderIter):
@@ -67,3 +75,211 @@ def test_importing_the_dataset_under_a_changed_torch_raises_unsupported_torch_er
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
     assert "_process_data(self, data)" in out.stdout and "torch >= 2.7" in out.stdout
+
+
+# What a user's script does with a plain IterableDataset, with or without the library imported:
+# torch's own failure modes must look the same either way (issue 28).
+_PLAIN_LOADER = """
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+if sys.argv[2] == "import":
+    from torch_storage_loader import StorageDataset  # noqa: F401  (what a user of the library imports)
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+
+class Numbers(IterableDataset):
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __iter__(self):
+        worker = get_worker_info()
+        for i in range(1000):
+            if worker.id == 1 and i == 3:
+                if self.mode == "raise":
+                    raise ValueError("a worker's own error")
+                if self.mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+            yield i  # plain ints: no tensor crosses through a file descriptor a killed worker held
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    it = iter(DataLoader(Numbers(mode), batch_size=None, num_workers=2, timeout=60))
+    print(type(it).__module__, type(it).__qualname__, flush=True)
+    if mode == "drop":
+        for _ in range(5):
+            next(it)
+        del it  # mid-epoch: collected at once, its workers stopped
+        print("children after del", len(mp.active_children()), flush=True)
+    else:
+        for _ in it:
+            pass
+"""
+
+
+def _frames(stderr: str) -> list[str]:
+    """The traceback's frames (file and function), without line numbers, addresses or pids."""
+    return [
+        line.split(", line ")[0] + line.rsplit(",", 1)[1] for line in stderr.splitlines() if line.startswith('  File "')
+    ]
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill", "drop"])
+def test_importing_the_library_leaves_plain_dataloaders_as_torch_has_them(tmp_path, mode):
+    from _helpers import run_script
+
+    plain = run_script(_PLAIN_LOADER, tmp_path, timeout=120, args=(mode, "plain"))
+    imported = run_script(_PLAIN_LOADER, tmp_path, timeout=120, args=(mode, "import"))
+    assert imported.stdout == plain.stdout, (plain.stdout, imported.stdout)
+    assert imported.stdout.startswith("torch.utils.data.dataloader _MultiProcessingDataLoaderIter\n")
+    assert imported.returncode == plain.returncode, imported.stderr[-3000:]
+    for run in (plain, imported):
+        assert "Exception ignored" not in run.stderr, run.stderr[-3000:]
+        assert "torch_storage_loader" not in run.stderr, run.stderr[-3000:]
+    last = imported.stderr.strip().splitlines()[-1] if imported.stderr.strip() else ""
+    if mode == "raise":  # the worker's error reaches the trainer, through torch's frames only
+        assert plain.returncode == 1 and "ValueError: a worker's own error" in imported.stderr
+        assert _frames(imported.stderr) == _frames(plain.stderr), imported.stderr[-3000:]
+    elif mode == "kill":  # torch's own error for a dead worker
+        assert plain.returncode == 1 and last.startswith("RuntimeError: DataLoader worker"), imported.stderr[-3000:]
+    else:
+        assert plain.returncode == 0 and imported.stderr == plain.stderr == ""
+        assert imported.stdout.endswith("children after del 0\n")
+
+
+_TORCH_CLASSES = """
+import inspect
+
+from torch.utils.data import dataloader
+from torchdata.stateful_dataloader import stateful_dataloader
+
+classes = [c for m in (dataloader, stateful_dataloader) for c in vars(m).values()
+           if inspect.isclass(c) and c.__module__ == m.__name__]
+before = {c: dict(vars(c)) for c in classes}
+
+import torch_storage_loader.dataset  # noqa: E402,F401  (the module that installs the hooks)
+
+changed = sorted(f"{c.__qualname__}.{k}" for c in classes for k in set(before[c]) | set(vars(c))
+                 if before[c].get(k, None) is not vars(c).get(k, None))
+print(changed)
+"""
+
+
+def test_importing_the_library_changes_no_method_of_torchs_dataloader_classes(tmp_path):
+    from _helpers import run_script
+
+    out = run_script(_TORCH_CLASSES, tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Only the class every DataLoader iterator is made through learns to pick ours for a StorageDataset;
+    # for any other dataset it makes torch's own class, as object.__new__ does.
+    assert out.stdout.strip() == "['_BaseDataLoaderIter.__new__']", out.stdout
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_batching_dataset_under_a_batching_dataloader_is_refused_and_loses_nothing(handles, num_workers, stateful):
+    # DataLoader(StorageDataset(h, batch_size=8)) without batch_size=None: torch batches the
+    # dataset's batches again, into [1, 8, ...], in silence. Refused where the iterator is made,
+    # before any worker starts or any handle is taken from the stream.
+    import torch
+    from torch.utils.data import DataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torch_storage_loader import StorageDataset, StorageQueue
+
+    loader_type = StatefulDataLoader if stateful else DataLoader
+    q = StorageQueue()
+    for h in handles[:8]:
+        q.put(h)
+    q.close()
+    ds = StorageDataset(q, batch_size=4)
+    with pytest.raises(ValueError, match=r"batch_size=4.*DataLoader\(\.\.\., batch_size=None\)"):
+        iter(loader_type(ds, num_workers=num_workers))
+    with pytest.raises(ValueError, match=r"DataLoader\(batch_size=3\)"):
+        iter(loader_type(ds, batch_size=3, num_workers=num_workers))
+    got = [b["info"]["id"] for b in loader_type(ds, batch_size=None, num_workers=num_workers)]
+    assert [tuple(b.shape) for b in got] == [(4,), (4,)] and sorted(torch.cat(got).tolist()) == list(range(8))
+
+
+def test_dataloader_side_batching_stays_open_to_single_samples_and_collate_fns(handles):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    singles = [b["info"]["id"].tolist() for b in DataLoader(StorageDataset(handles[:4]), batch_size=2)]
+    assert singles == [[0, 1], [2, 3]]
+    # A collate_fn of one's own receives the dataset's batches as a list, and does what it means to.
+    joined = DataLoader(
+        StorageDataset(handles[:8], batch_size=2),
+        batch_size=2,
+        collate_fn=lambda bs: torch.cat([b["action"] for b in bs]),
+    )
+    assert [tuple(b.shape) for b in joined] == [(4, 8), (4, 8)]  # two dataset batches of 2 trajectories
+
+
+# A StorageDataset iterator whose worker raised is garbage in a reference cycle (torch's re-raise);
+# a DataLoader started before the collector ran forks it into its workers, whose collector then
+# ran its shutdown there: torch's "can only test a child process", and the handles the trainer's
+# ledger held were given back to the queue once per worker (delivered twice).
+_COLLECTED_IN_A_FORK = """import gc
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset
+
+from torch_storage_loader import Storage, StorageDataset, StorageQueue
+
+
+class Flaky(Storage):
+    def __init__(self, i):
+        super().__init__(str(i))
+        self.i = i
+
+    def save(self, data):
+        pass
+
+    def load(self):
+        if self.i == 5:
+            raise ValueError("sample 5 is bad")
+        return {"i": np.array([self.i])}
+
+
+class Collects(IterableDataset):  # a later DataLoader: its forked workers run the garbage collector
+
+    def __iter__(self):
+        gc.collect()
+        yield 0
+
+
+if __name__ == "__main__":
+    gc.disable()  # the trainer's collector has not run yet when the next DataLoader forks its workers
+    q = StorageQueue()
+    for i in range(40):
+        q.put(Flaky(i))
+    q.close()
+    seen = []
+    try:
+        for s in DataLoader(StorageDataset(q), batch_size=None, num_workers=2):
+            seen.append(int(s["i"][0]))
+    except ValueError:
+        print("worker error reached the trainer", flush=True)
+    list(DataLoader(Collects(), batch_size=None, num_workers=2))
+    gc.collect()
+    rest = [int(s["i"][0]) for s in DataLoader(StorageDataset(q), batch_size=None, num_workers=0)]
+    print(sorted(seen + rest))
+"""
+
+
+def test_an_iterator_collected_in_a_forked_worker_leaves_the_trainers_workers_and_handles(tmp_path):
+    from _helpers import run_script
+
+    out = run_script(_COLLECTED_IN_A_FORK, tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "worker error reached the trainer"
+    assert eval(lines[1]) == [i for i in range(40) if i != 5]  # each once; the bad one raised

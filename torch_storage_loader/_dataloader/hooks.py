@@ -9,9 +9,13 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   ``_reset(self, loader, first_iter=False, ...)``, ``__next__(self)``,
   ``_process_data(self, data, worker_idx, ...)``
   (the worker's index is passed since torch's out-of-order support; before, ``(self, data)``) and
-  ``_shutdown_workers(self)``, called by ``_next_data`` once the data ends. They are wrapped for the
-  delivery ledger (``ledger``) and ``device=`` (``_device``); iterators over other datasets are
-  untouched.
+  ``_shutdown_workers(self)``, called by ``_next_data`` once the data ends. A subclass made for a
+  ``StorageDataset``'s iterators overrides them for the delivery ledger (``ledger``) and ``device=``
+  (``_device``); torch's classes keep their methods.
+- ``torch.utils.data.dataloader._BaseDataLoaderIter``, the base of every DataLoader iterator (and of
+  torchdata's): it has no ``__new__`` of its own. ``install()`` gives it one, which chooses that
+  subclass when the loader's dataset is a ``StorageDataset``, and for any other dataset makes torch's
+  own class, as ``object.__new__`` did: importing the library changes nothing for other DataLoaders.
 - ``torch._utils.ExceptionWrapper``: what a worker's failed item is.
 - ``torch.utils.data._utils.fetch._BaseDatasetFetcher``: its ``fetch(self, possibly_batched_index)``
   frame is two to five frames above a dataset's first ``next()`` (``fetch_context``).
@@ -22,6 +26,9 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   ``torch.utils.data._utils.pin_memory.pin_memory`` hands back an object whose ``pin_memory()``
   returns itself.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
+
+Size: a little over 400 lines, because every private torch touch lives here by rule
+(``tests/test_architecture.py``), each with its check.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ import functools
 import inspect
 import logging
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -67,9 +75,8 @@ default_collate = _collate.default_collate
 default_convert = _collate.default_convert
 
 
-@runtime_checkable
 class Tracked(Protocol):
-    """A dataset whose DataLoader iterators the hooks act for (``StorageDataset``)."""
+    """A dataset whose DataLoader iterators the hooks act for (``StorageDataset``): see ``_reads_storage``."""
 
     device: Any  # None, or where its batches go (finished on the trainer's thread as handed over)
     batch_size: int | None  # handles per item it yields (None: one)
@@ -158,22 +165,70 @@ def _check_fetcher() -> None:
 
 
 # ------------------------------------------------------------------------------ install
-def _iterator_classes() -> list[type]:
-    classes = [_torch_dataloader._MultiProcessingDataLoaderIter]
+@functools.cache
+def _iterator_classes() -> tuple[type, ...]:
+    """torch's multi-process DataLoader iterator, and torchdata's where it is installed."""
+    classes: tuple[type, ...] = (_torch_dataloader._MultiProcessingDataLoaderIter,)
     try:
         from torchdata.stateful_dataloader import stateful_dataloader
     except ImportError:  # torchdata is optional for the hooks: only its loader needs them
         return classes
-    return [*classes, stateful_dataloader._StatefulMultiProcessingDataLoaderIter]
+    return (*classes, stateful_dataloader._StatefulMultiProcessingDataLoaderIter)
 
 
 def install() -> None:
-    """Check what the hooks need and wrap the DataLoader iterator classes (idempotent)."""
+    """Check what the hooks need, and let DataLoaders over a ``StorageDataset`` make iterators with them (idempotent).
+
+    torch's classes keep their methods: ``_BaseDataLoaderIter`` gains a ``__new__`` (``_new``) that,
+    for any dataset but ours, makes torch's own class as ``object.__new__`` did.
+    """
     _check_fetcher()
+    base = _torch_dataloader._BaseDataLoaderIter
+    if base.__dict__.get("__new__") is _NEW:
+        return
+    for cls in (base, *_iterator_classes()):
+        if cls.__new__ is not object.__new__:
+            raise UnsupportedTorchError(
+                f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has a __new__ of its own, where "
+                f"the hooks choose the iterator class; torch_storage_loader needs {NEEDS}"
+            )
     for cls in _iterator_classes():
-        if not cls.__dict__.get("_tsl_delivery", False):
-            check_iterator(cls)
-            _hook(cls)
+        _delivering(cls)  # checks what it overrides: a torch that differs is refused at import
+    base.__new__ = _NEW
+
+
+def _reads_storage(loader: Any) -> bool:
+    """Whether ``loader`` reads a ``Tracked`` dataset: looked up on the dataset's class, so that no
+    other dataset's attributes (a ``__getattr__`` of its own) are touched."""
+    return callable(getattr(type(loader.dataset), "_tsl_delivery_source", None))
+
+
+def _new(cls: type, loader: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``_BaseDataLoaderIter.__new__``: for a ``Tracked`` dataset, check the DataLoader's batching and
+    make a multi-process iterator of ``_delivering(cls)``; for any other, ``cls`` itself, as torch does."""
+    if loader is not None and _reads_storage(loader):
+        _check_batching(loader)
+        if issubclass(cls, _iterator_classes()):
+            cls = _delivering(cls)
+    return object.__new__(cls)
+
+
+_NEW = staticmethod(_new)
+
+
+def _check_batching(loader: Any) -> None:
+    """Refuse a DataLoader that would stack a batching dataset's batches again (``[1, 8, ...]`` for its
+    default ``batch_size=1``): an error, as the iterator is made, before any worker starts or any
+    handle is taken, since broadcasting may hide the extra dimension from a model. A ``collate_fn``
+    of the user's receives the dataset's batches as a list, deliberately."""
+    per_item = loader.dataset.batch_size
+    if per_item is None or loader.batch_size is None or loader.collate_fn is not default_collate:
+        return
+    raise ValueError(
+        f"StorageDataset(batch_size={per_item}) yields batches already, and DataLoader(batch_size="
+        f"{loader.batch_size}) would batch them again (into [{loader.batch_size}, {per_item}, ...]): "
+        "pass DataLoader(..., batch_size=None), or leave the dataset's batch_size None to batch in the DataLoader"
+    )
 
 
 def register_collate(kind: type, fn: Callable) -> None:
@@ -182,9 +237,7 @@ def register_collate(kind: type, fn: Callable) -> None:
 
 
 def _open(loader: Any) -> Ledger | None:
-    ds = loader.dataset
-    if not isinstance(ds, Tracked) or loader.num_workers < 1:
-        return None
+    ds: Tracked = loader.dataset
     source = ds._tsl_delivery_source()
     if source is None:
         return None
@@ -202,13 +255,6 @@ def _open(loader: Any) -> Ledger | None:
     )
     ds._tsl_attach_ledger(ledger.ref())
     return ledger
-
-
-def _loader_device(loader: Any) -> Any:
-    ds = loader.dataset
-    if isinstance(ds, Tracked) and ds.device is not None and loader.num_workers > 0:
-        return ds.device
-    return None
 
 
 def _receive_ahead(loader: Any, device: Any) -> Any:
@@ -230,13 +276,17 @@ def _receive_ahead(loader: Any, device: Any) -> Any:
 _warned: list = []
 
 
-def _hook(cls: type) -> None:
+@functools.cache
+def _delivering(cls: type) -> type:
+    """``cls`` (a multi-process iterator class) with the delivery hooks: its subclass, made once."""
+    check_iterator(cls)
     init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
     next_ = cls.__next__
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
-        self._tsl_device = device = _loader_device(loader)
+        self._tsl_pid = getpid()
+        self._tsl_device = device = loader.dataset.device
         self._tsl_ledger = ledger = _open(loader)
         try:
             with _receive_ahead(loader, device):
@@ -285,10 +335,13 @@ def _hook(cls: type) -> None:
             ledger.handed()  # not before: until here, a dead worker's error may still be raised
         return out
 
-    getframe = sys._getframe  # kept here: at interpreter exit, module globals are gone before __del__ runs
+    # Kept here: at interpreter exit, module globals are gone before __del__ runs.
+    getframe, getpid = sys._getframe, os.getpid
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
+        if self._tsl_pid != getpid():  # collected in a process forked from the trainer (a later DataLoader's
+            return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
         try:
@@ -301,14 +354,8 @@ def _hook(cls: type) -> None:
                 self._tsl_ledger = None
                 ledger.close(exhausted)
 
-    cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers, cls.__next__ = (
-        __init__,
-        _reset,
-        _process_data,
-        _shutdown_workers,
-        __next__,
-    )
-    cls._tsl_delivery = True
+    methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
+    return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})
 
 
 # ------------------------------------------------------------------------------ uses

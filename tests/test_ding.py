@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from _helpers import run_script
 
@@ -201,3 +202,34 @@ def test_parallel_collector_learner_pipeline_trains_and_exits(tmp_path):
     first, last = (float(x) for x in trained[0].split("loss ")[1].split(" -> "))
     assert last < first, trained
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------ mixed fleet
+def test_a_ding_handle_is_refused_saying_collectors_and_learners_switch_together(tmp_path):
+    from ding.data import FileStorage as DingFileStorage
+
+    from torch_storage_loader import FileStorageLoader, PickleNotAllowedError
+
+    handle = DingFileStorage(str(tmp_path / "ding.pkl"))
+    handle.save({"obs": np.ones(3)})
+    with FileStorageLoader(tmp_path / "own", worker_num=1) as loader:
+        with pytest.raises(PickleNotAllowedError, match="Collectors and learners switch together") as info:
+            loader.load_async(handle)
+        assert "allow_pickle=True" in str(info.value) and info.value.path == handle.path
+        assert loader.stats().loads == 0
+
+
+def test_a_ding_handle_loads_with_its_own_code_where_pickle_is_allowed(tmp_path):
+    from ding.data import FileStorage as DingFileStorage
+    from easydict import EasyDict
+
+    from torch_storage_loader import FileStorageLoader
+
+    sample = {"obs": np.arange(6, dtype=np.float32).reshape(2, 3), "info": EasyDict(env_id=3, done=False)}
+    handle = DingFileStorage(str(tmp_path / "ding.pkl"))
+    handle.save(sample)
+    with FileStorageLoader(tmp_path / "own", worker_num=1, allow_pickle=True) as loader:
+        got = loader.load_async(handle).result(timeout=120)
+        assert np.array_equal(got["obs"], sample["obs"])
+        assert got["info"] == sample["info"] and isinstance(got["info"], EasyDict)
+        del got

@@ -22,6 +22,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 CHILD = "--child"
 
@@ -32,8 +33,6 @@ def sample(mb: float) -> dict:
 
 
 def child(impl: str, method: str, path: str, loads: int) -> dict:
-    import torch  # noqa: F401 -- what a training script imports (forkserver and spawn workers import it again)
-
     if impl == "ding":
         from ding.data import FileStorage as Handle
         from ding.data.storage_loader import FileStorageLoader
@@ -73,7 +72,6 @@ def child(impl: str, method: str, path: str, loads: int) -> dict:
 
 
 def dataset_child(path: str, method: str) -> dict:
-    import torch
 
     from torch_storage_loader import FileStorage, StorageDataset
 

@@ -286,6 +286,7 @@ class StorageLoader(ABC):
         Raises:
             TimeoutError: The workers were not all ready within ``timeout``.
             WorkerDiedError: The workers exit as they start (their error output says why).
+            RuntimeError: The loader is shutting down.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:

@@ -447,6 +447,9 @@ class StorageLoader(ABC):
 
     def _run(self, pool: WorkerPool, stop: threading.Event) -> None:
         try:
+            # The first file before the workers start, as DI-engine's _first_meet: starting them (a
+            # fork, or a fork and exec) would compete with it for the CPU and the GIL.
+            self._load_here(pool)
             pool.start()
             while not stop.is_set():
                 self._dispatch(pool)

@@ -139,7 +139,8 @@ def bench_load(
 
     options = {} if inflight is None else {"max_inflight_per_worker": inflight}
     loader = FileStorageLoader(os.path.join(workdir, "unused"), worker_num=workers, **options)
-    for s in storages[: workers * 2]:  # start the workers and size their rings
+    loader.start()  # the workers, ready (a fresh loader reads its first files itself while they start)
+    for s in storages[: workers * 2]:  # size their rings
         loader.load_async(s).result()
     done = threading.Semaphore(0)
 

@@ -128,6 +128,7 @@ def test_a_slot_is_not_refilled_while_the_gpu_may_still_copy_it(tmp_path, monkey
         monkeypatch.setattr(_pinning, "defer", lambda callback, event=None: callback())
     a, b = save(tmp_path, 1, n=1024), save(tmp_path, 2, n=1024)
     with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1, max_rings_per_worker=1) as loader:
+        loader.start()  # through the workers: a fresh loader reads its first files itself
         first = loader.load_async(a).result(timeout=60)
         host = torch.from_numpy(first["obs"])
         assert host.is_pinned()

@@ -453,6 +453,7 @@ def test_a_worker_survives_any_file_and_loses_no_slot(tmp_path):
     with FileStorageLoader(
         tmp_path / "own", ttl=None, worker_num=1, slots_per_worker=2, max_rings_per_worker=1
     ) as loader:
+        loader.start()  # the workers, ready: a fresh loader's first loads are read on its own thread
         assert loader.load_async(good).result(timeout=60)["id"] == 7
         pid = loader._workers[0].proc.pid
         failed = 0

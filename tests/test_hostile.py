@@ -299,6 +299,7 @@ def test_a_crafted_file_never_breaks_a_loader_worker(tmp_path, name):
     with FileStorageLoader(
         tmp_path / "own", ttl=None, worker_num=1, slots_per_worker=2, max_rings_per_worker=1
     ) as loader:
+        loader.start()  # the workers, ready: a fresh loader's first loads are read on its own thread
         assert int(loader.load_async(good).result(timeout=TIMEOUT)["info"]["id"]) == 3  # rings mapped
         pid = loader._workers[0].proc.pid
         for _ in range(3):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from _helpers import KillStorage, MemoryStorage, SleepStorage
+from _helpers import KillStorage, MemoryStorage, SleepStorage, run_script
 from conftest import START_METHODS, assert_same, traj
 
 from torch_storage_loader import (
@@ -41,6 +41,7 @@ def collect(loader, storages, keep=True, timeout=60):
 
         return inner
 
+    loader.start()  # through the workers (a fresh loader reads its first files itself while they start)
     futures = [loader.load(s, cb(i)) for i, s in enumerate(storages)]
     for f in futures:
         f.result(timeout=timeout)
@@ -132,7 +133,8 @@ def test_non_file_storages_use_the_slot_path():
 def test_bad_files_fail_their_future_and_the_loader_goes_on(tmp_store, caplog):
     with FileStorageLoader(tmp_store, worker_num=2) as loader:
         good = loader.save(traj(1))
-        assert_same(traj(1), loader.load_async(good).result(timeout=30))  # starts the workers
+        loader.start()  # the workers, ready: a fresh loader reads its first files on its own thread
+        assert_same(traj(1), loader.load_async(good).result(timeout=30))
         truncated, corrupt, foreign = (loader.save(traj(i)) for i in range(3))
         with open(truncated.path, "r+b") as f:
             f.truncate(100)
@@ -296,6 +298,44 @@ def test_clean_exit_under_dev_mode_and_werror(tmp_path, method):
     assert len([p for p in (tmp_path / "s").iterdir() if p.name.endswith(".tsl")]) == 10  # kept for their TTL
 
 
+FIRST_LOAD = """
+import sys, time
+import numpy as np
+import torch  # what a training script imports: forkserver and spawn workers import it again
+from torch_storage_loader import FileStorage, FileStorageLoader
+
+if __name__ == "__main__":
+    directory, method = sys.argv[1], sys.argv[2]
+    handle = FileStorage(directory + "/sample.tsl")
+    handle.save({"obs": np.ones((4, 1 << 18), np.float32), "step": 3})  # 4 MiB
+    handle.load()  # the page cache and the reader's imports warm, as for the loader
+    start = time.perf_counter()
+    handle.load()
+    plain = time.perf_counter() - start
+    loader = FileStorageLoader(directory + "/own", worker_num=2, mp_context=method)
+    start = time.perf_counter()
+    sample = loader.load_async(handle).result(timeout=60)
+    first = time.perf_counter() - start
+    assert sample["step"] == 3 and float(sample["obs"].sum()) == 4 * (1 << 18)
+    del sample
+    for _ in range(10):  # then the workers, once ready, take over
+        loader.load_async(handle).result(timeout=60)
+    stats = loader.stats()
+    loader.shutdown()
+    print(f"{plain:.4f} {first:.4f} {dict(stats).get('local_loads', 0)} {stats.slot_loads}")
+"""
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_first_load_is_as_fast_as_reading_the_sample(tmp_path, method):
+    proc = run_script(FIRST_LOAD, tmp_path, args=(str(tmp_path), method))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plain, first, local_loads, slot_loads = proc.stdout.split()
+    # A small multiple of a plain load (tens of ms), not a worker's start (seconds under forkserver).
+    assert float(first) < 10 * float(plain) + 0.25, proc.stdout
+    assert int(local_loads) >= 1 and int(local_loads) + int(slot_loads) == 11, proc.stdout
+
+
 CTRL_C = """
 import faulthandler, os, signal, sys, time, numpy as np
 from torch_storage_loader import FileStorageLoader
@@ -305,6 +345,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with FileStorageLoader(sys.argv[1], worker_num=2) as loader:
         h = loader.save({"x": np.zeros(100000)})
+        loader.start()  # the workers, ready: the first loads would be read on the loader's own thread
         loader.load_async(h).result()
         loader.load_async(h).result()
         print(*[w.proc.pid for w in loader._workers], flush=True)

@@ -231,6 +231,7 @@ def test_an_outlier_travels_alone_and_the_rings_keep_their_size(tmp_path):
         handles.append(FileStorage(tmp_path / f"{i:03d}.tsl"))
         handles[-1].save(tagged(i, big if i == 60 else n))
     with FileStorageLoader(tmp_path, ttl=None, worker_num=1) as loader:
+        loader.start()  # through the workers: a fresh loader reads its first files itself
 
         def load(i):
             s = loader.load_async(handles[i]).result(timeout=TIMEOUT)

@@ -94,6 +94,7 @@ def test_rings_registered_once_each_and_unregistered_before_unmap(gpu, files):
 def test_registration_waits_until_the_process_uses_the_gpu(gpu, files):
     gpu.used = False
     with FileStorageLoader(os.path.dirname(files[0].path), ttl=None, worker_num=1) as loader:
+        loader.start()  # through the workers: a fresh loader reads its first files itself
         a = loader.load_async(files[0]).result()
         assert not gpu.log  # a process that has not touched CUDA is not made to
         gpu.used = True
@@ -141,6 +142,7 @@ def test_slot_not_reused_while_a_copy_from_it_is_queued(gpu, tmp_path):
     sample: the copy must still read the old bytes (the slot stays busy until its event)."""
     a, b = save(tmp_path, 1), save(tmp_path, 2)
     with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1) as loader:
+        loader.start()  # through the workers: a fresh loader reads its first files itself
         first = loader.load_async(a).result()
         assert gpu.sees_pinned(first["obs"].ctypes.data)
         on_gpu = gpu.copy_async(torch.from_numpy(first["obs"]))  # queued; the GPU reads it later

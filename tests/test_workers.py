@@ -191,6 +191,7 @@ def _forked_child(loader, handle, expected) -> None:
 def test_a_forked_child_never_acts_for_the_parents_workers(tmp_path, how):
     with FileStorageLoader(tmp_path / "s", ttl=None, worker_num=2) as loader:
         handle = loader.save(traj(4))
+        loader.start()
         held = loader.load_async(handle).result(timeout=60)
         pids = sorted(w.proc.pid for w in loader._workers)
         if how == "os.fork":

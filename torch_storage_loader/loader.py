@@ -32,9 +32,11 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from ._ding_storage import foreign_storage
 from ._options import check_option
 from ._shm.alloc import FillInfo, check_slot_options
-from ._shm.segments import default_shm_budget, shm_dir
+from ._shm.filling import LocalFiller, is_plain_file
+from ._shm.segments import default_shm_budget, free_shm_bytes, shm_dir
 from ._workers.pool import (
     MAIN_GUARD_FIX,
     UNGUARDED_MAIN_EXIT,
@@ -43,7 +45,7 @@ from ._workers.pool import (
     refuse_start_while_bootstrapping,
 )
 from ._workers.protocol import Failed, Loaded, WorkerLost
-from .errors import LoadCancelledError, WorkerDiedError
+from .errors import LoadCancelledError, StorageError, WorkerDiedError
 from .storage import Storage
 
 __all__ = ["LoaderStats", "StorageLoader"]
@@ -64,6 +66,8 @@ class LoaderStats(Mapping[str, Any]):
         bytes: Array bytes delivered.
         errors: Loads that failed.
         slot_loads: Samples delivered through a shared-memory slot.
+        local_loads: Samples read on the loader's receiving thread into private memory, because no
+            worker was ready yet (the first loads of a fresh loader, while its workers start).
         fallbacks: Samples delivered in a segment of their own because every slot of every ring was
             still leased.
         oversize: Outliers too large for the slots, delivered in a segment of their own.
@@ -82,6 +86,7 @@ class LoaderStats(Mapping[str, Any]):
     bytes: int = 0
     errors: int = 0
     slot_loads: int = 0
+    local_loads: int = 0
     fallbacks: int = 0
     oversize: int = 0
     copies: int = 0
@@ -187,7 +192,10 @@ def default_context() -> mp.context.BaseContext:
 class StorageLoader(ABC):
     """Loads ``Storage`` handles in ``worker_num`` processes and calls back with the samples.
 
-    ``load`` never blocks: the first one starts the workers from the loader's receiving thread.
+    ``load`` never blocks: the first one starts the workers in the background. Until one of them is
+    ready (seconds under forkserver or spawn, whose workers import the main script's imports), the
+    receiving thread reads ``FileStorage`` files itself, so the first samples arrive as fast as a
+    plain ``handle.load()``; other handles wait for a worker.
     Each worker sizes its ring of ``slots_per_worker`` shared-memory slots from the first sample it
     loads; a worker whose slots are all still held by the consumer adds rings, up to
     ``max_rings_per_worker``, then gives each further sample a segment of its own (a fallback).
@@ -252,6 +260,8 @@ class StorageLoader(ABC):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
+        self._local: LocalFiller | None = None  # reads files on the receiving thread until a worker is ready
+        self._budget = 0  # one worker's share of max_shm_bytes, set as the workers start
         self._closing = False
 
     # ----------------------------------------------------------------------------- public API
@@ -276,6 +286,40 @@ class StorageLoader(ABC):
             A handle, as ``save`` returns.
         """
         return self.save(obj)
+
+    def start(self, *, timeout: float | None = 120) -> None:
+        """Start the workers now and wait until every one is ready (``load`` starts them otherwise,
+        and reads files on its receiving thread meanwhile). DI-engine's ``start_link``, waiting.
+
+        Args:
+            timeout: Seconds to wait for the workers; None waits as long as they take.
+
+        Raises:
+            TimeoutError: The workers were not all ready within ``timeout``.
+            WorkerDiedError: The workers exit as they start (their error output says why).
+            RuntimeError: The loader is shutting down.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("this loader is shutting down; start it once shutdown() returned")
+            if not self._started:
+                refuse_start_while_bootstrapping()
+                self._start_locked()
+            pool = self._pool
+        while True:
+            with self._lock:
+                if self._pool is not pool:
+                    raise WorkerDiedError(
+                        "loader workers exit as they start; their error output says why (under spawn or "
+                        "forkserver, a script that starts loaders needs `if __name__ == '__main__':`)"
+                    )
+            assert pool is not None  # started above
+            if pool.all_ready():
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the loader's {self._worker_num} workers were not all ready after {timeout} s")
+            time.sleep(0.01)
 
     def load(self, storage: Storage, callback: Callable[[Any], None]) -> Future[None]:
         """Load ``storage`` in a worker, then call ``callback(obj)`` on the receiving thread.
@@ -377,9 +421,13 @@ class StorageLoader(ABC):
     def _outstanding_locked(self) -> int:
         return len(self._pending) + len(self._inflight)
 
-    def _submit(self, storage: Storage, callback: Callable[[Any], None] | None) -> Future[Any]:
-        if not isinstance(storage, Storage):
-            raise TypeError(f"storage must be a Storage handle, got {type(storage).__name__}")
+    def _submit(self, handle: object, callback: Callable[[Any], None] | None) -> Future[Any]:
+        # DI-engine's own handles (a fleet switching): loaded with allow_pickle=True, else refused.
+        storage = (
+            handle
+            if isinstance(handle, Storage)
+            else foreign_storage(handle, allow_pickle=getattr(self, "allow_pickle", False))
+        )
         if not self._started:
             refuse_start_while_bootstrapping()  # before anything is queued: this process exits or raises
         req = _Request(storage, callback)
@@ -402,6 +450,7 @@ class StorageLoader(ABC):
         # The shared-memory directory is passed explicitly: a forkserver started earlier would
         # otherwise hand its own, older environment to the worker.
         config = WorkerConfig(self._slots, self._max_rings, max(1, total // self._worker_num), shm_dir())
+        self._budget = config.budget
         self._pool = WorkerPool(self._ctx, self._worker_num, config)
         self._thread = threading.Thread(
             target=self._run, args=(self._pool, self._stop), name="tsl-loader-recv", daemon=True
@@ -412,10 +461,14 @@ class StorageLoader(ABC):
 
     def _run(self, pool: WorkerPool, stop: threading.Event) -> None:
         try:
+            # The first file before the workers start, as DI-engine's _first_meet: starting them (a
+            # fork, or a fork and exec) would compete with it for the CPU and the GIL.
+            self._load_here(pool)
             pool.start()
             while not stop.is_set():
                 self._dispatch(pool)
-                events = collections.deque(pool.wait())
+                loaded_here = self._load_here(pool)
+                events = collections.deque(pool.wait(0 if loaded_here else None))
                 while events and not stop.is_set():
                     event = events.popleft()
                     if isinstance(event, WorkerLost):
@@ -456,6 +509,46 @@ class StorageLoader(ABC):
                 self._inflight[key] = req
                 pool.send(worker, key, req.storage)
 
+    def _load_here(self, pool: WorkerPool) -> bool:
+        """While no worker is ready, read the first waiting file on this thread, as ``handle.load()``
+        would (workers take seconds to start under forkserver or spawn); True if it did."""
+        with self._lock:
+            if not self._pending or pool.any_ready():
+                return False
+            req = self._pending[0]
+            if req.attempts or not is_plain_file(req.storage):
+                return False  # a retry, or a handle whose load() is its own: for a worker
+        if not self._fits_the_workers(req.storage):
+            return False  # a worker refuses it with the error that names the fix: not loaded here either
+        with self._lock:
+            if not self._pending or self._pending[0] is not req:
+                return True  # cancelled by shutdown meanwhile: look again
+            self._pending.popleft()
+            if not req.future.set_running_or_notify_cancel():
+                self._on_finish(req.storage)  # cancelled while queued
+                return True
+            key = next(self._ids)
+            self._inflight[key] = req  # shutdown(timeout) sees it, and may give up on it
+        if self._local is None:
+            self._local = LocalFiller()
+        try:
+            info, payload = self._local.fill(req.storage)
+        except Exception as exc:  # noqa: BLE001 - that load's error, as a worker would report it
+            self._on_reply(Failed(key, exc))
+        else:
+            self._on_reply(Loaded(key, info, payload))
+        return True
+
+    def _fits_the_workers(self, storage: Storage) -> bool:
+        """Whether the workers could load ``storage`` into their slots (its data within one worker's
+        share of ``max_shm_bytes``, a ring of it within the free shared memory): what does not fit is
+        left to them, so a first load fails as every later one would."""
+        try:
+            size: int = storage.read_header().data_size  # type: ignore[attr-defined]  # a plain FileStorage
+        except StorageError:
+            return True  # damaged or missing: read here, it fails with the error a worker would give
+        return size <= self._budget and size * self._slots <= free_shm_bytes()
+
     def _on_reply(self, event: Loaded | Failed) -> None:
         with self._lock:
             req = self._inflight.pop(event.request_id, None)
@@ -472,7 +565,7 @@ class StorageLoader(ABC):
             info.count(self._counts)
 
     def _on_worker_lost(self, event: WorkerLost, pool: WorkerPool) -> None:
-        if not event.restarted and not pool.workers:
+        if not event.restarted and not pool.workers and not pool.starting:
             raise _WorkersCannotStart(event)
         failed: list[_Request] = []
         with self._lock:

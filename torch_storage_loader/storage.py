@@ -7,6 +7,7 @@ import os
 from abc import ABC, abstractmethod
 from typing import Any
 
+from . import _ding
 from ._format import file as _format
 
 __all__ = ["FileStorage", "ObjectStorage", "Storage"]
@@ -227,3 +228,8 @@ class ObjectStorage(Storage):
         from ._stores.objects import read_header
 
         return read_header(self.path, self.size, self.version)[0]
+
+
+# DI-engine's middleware recognises handles by ``isinstance(x, ding.data.Storage)``: ours are, once
+# (and if ever) DI-engine is imported, so switching a pipeline takes an import change (see _ding).
+_ding.install(Storage)

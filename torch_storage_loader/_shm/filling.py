@@ -21,7 +21,7 @@ from .alloc import FillInfo, Lease, PrivateAllocator, SlotAllocator
 from .refs import OneOffRef, SlotRef
 from .slots import CTRL
 
-__all__ = ["FillInfo", "LocalFiller", "SlotFiller"]
+__all__ = ["FillInfo", "LocalFiller", "SlotFiller", "is_plain_file"]
 
 
 class SlotFiller:
@@ -66,7 +66,7 @@ class SlotFiller:
     def fill(self, storage: Storage) -> tuple[FillInfo, Any]:
         """Load ``storage`` into a slot."""
         opts = ReadOptions(getattr(storage, "allow_pickle", False), self.as_tensors, self.device)
-        if _is_plain_file(storage):
+        if is_plain_file(storage):
             return self._fill_file(storage.path, opts)
         if type(storage) is ObjectStorage:
             return self._fill_remote(storage, opts)
@@ -186,7 +186,7 @@ class SlotFiller:
     def fill_batch(self, storages: list[Storage], collate_fn: Callable | None = None) -> tuple[FillInfo, Any]:
         """Stack samples into one slot (leaves gain a leading batch dimension), or collate them."""
         opts = ReadOptions(any(getattr(s, "allow_pickle", False) for s in storages), self.as_tensors, self.device)
-        if collate_fn is None and all(_is_plain_file(s) for s in storages):
+        if collate_fn is None and all(is_plain_file(s) for s in storages):
             fds = []
             try:
                 for s in storages:
@@ -357,7 +357,8 @@ def _check(header: Header, opts: ReadOptions, path: str, lease: Lease) -> None:
         raise
 
 
-def _is_plain_file(storage: Storage) -> bool:
+def is_plain_file(storage: Storage) -> bool:
+    """Whether ``storage`` is read as a file of this library's format (a FileStorage whose load is not overridden)."""
     return isinstance(storage, FileStorage) and type(storage).load is FileStorage.load
 
 

@@ -39,6 +39,12 @@ def default_shm_budget() -> int:
     return st.f_blocks * st.f_frsize // 2
 
 
+def free_shm_bytes(where: str | None = None) -> int:
+    """Bytes free for unprivileged use in the shm filesystem (``where``, default ``shm_dir()``)."""
+    st = os.statvfs(where or shm_dir())
+    return st.f_bavail * st.f_frsize
+
+
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -61,8 +67,7 @@ def _too_small(size: int, free: int, where: str, purpose: str) -> InsufficientSh
 
 def _create_fd(size: int, purpose: str) -> int:
     where = shm_dir()
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize
+    free = free_shm_bytes(where)
     if size > free:
         raise _too_small(size, free, where, purpose)
     fd, name = tempfile.mkstemp(prefix="tsl-", dir=where)

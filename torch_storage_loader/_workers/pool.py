@@ -95,13 +95,45 @@ class WorkerPool:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopped = False
         self._startup_failures = 0
+        self._launcher: threading.Thread | None = None  # starts the first workers (see start)
+        self._launched: list[tuple[int, Any, Any]] = []  # started by it, not yet adopted; under _wake_lock
+        self._launch_error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        for i in range(self._size):
-            self._spawn(i)
+        """Start the workers from a thread of their own and return at once: under forkserver or spawn
+        a start takes seconds (the child imports the main script's imports), and the receiving thread
+        meanwhile loads files itself. ``wait`` adopts each worker once started."""
+        self._launcher = threading.Thread(target=self._launch_all, name="tsl-loader-start", daemon=True)
+        self._launcher.start()
 
-    def _spawn(self, index: int) -> WorkerHandle:
+    @property
+    def starting(self) -> bool:
+        """Whether workers are still being started in the background."""
+        return self._launcher is not None and (self._launcher.is_alive() or bool(self._launched))
+
+    def any_ready(self) -> bool:
+        return any(w.ready for w in self.workers)
+
+    def all_ready(self) -> bool:
+        """Whether all ``size`` workers are started and ready (read from any thread: a snapshot)."""
+        workers = list(self.workers)
+        return len(workers) == self._size and all(w.ready for w in workers)
+
+    def _launch_all(self) -> None:
+        try:
+            for i in range(self._size):
+                if self._stopped:
+                    return
+                launched = self._launch(i)
+                with self._wake_lock:
+                    self._launched.append(launched)
+                self.wake()
+        except BaseException as exc:  # noqa: BLE001 -- reported on the receiving thread by wait()
+            self._launch_error = exc
+            self.wake()
+
+    def _launch(self, index: int) -> tuple[int, Any, Any]:
         cfg = self._config
         parent, child = self._ctx.Pipe(duplex=True)
         self._starting = parent  # a fork child closes its copy (see forget)
@@ -119,6 +151,21 @@ class WorkerPool:
         finally:
             child.close()
             self._starting = None
+        return index, proc, parent
+
+    def _adopt_launched(self) -> None:
+        with self._wake_lock:
+            launched, self._launched = self._launched, []
+        for index, proc, parent in launched:
+            self._adopt(index, proc, parent)
+        if self._launch_error is not None:
+            exc, self._launch_error = self._launch_error, None
+            raise exc
+
+    def _spawn(self, index: int) -> WorkerHandle:
+        return self._adopt(*self._launch(index))
+
+    def _adopt(self, index: int, proc: Any, parent: Any) -> WorkerHandle:
         worker = WorkerHandle(index, proc, parent)
         self.workers.append(worker)
         # By descriptor number: a closed Connection has no fileno().
@@ -129,6 +176,10 @@ class WorkerPool:
     def stop(self, timeout: float = 5) -> None:
         """Ask every worker to exit, kill those that do not within ``timeout``, release everything."""
         self._stopped = True
+        if self._launcher is not None:
+            self._launcher.join()  # it stops after the worker it is starting
+            self._launch_error = None
+            self._adopt_launched()
         workers, self.workers = self.workers, []
         for w in workers:
             try:
@@ -149,6 +200,10 @@ class WorkerPool:
             # multiprocessing would otherwise terminate and join them at this process's exit.
             mp.process._children.discard(w.proc)
             w.close()
+        for _, proc, parent in self._launched:
+            mp.process._children.discard(proc)
+            parent.close()
+        self._launched = []
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         self._wake_w = -1
@@ -181,12 +236,14 @@ class WorkerPool:
                 pass  # full: the thread is awake anyway
 
     # ------------------------------------------------------------------------------ receiving
-    def wait(self) -> list[Loaded | Failed | WorkerLost]:
-        """Block until something happens; return replies and deaths (dead workers already replaced)."""
+    def wait(self, timeout: float | None = None) -> list[Loaded | Failed | WorkerLost]:
+        """Block until something happens (at most ``timeout`` seconds); return replies and deaths
+        (dead workers already replaced). Adopts the workers the start thread started."""
         if self._stopped:
             return []
+        self._adopt_launched()
         events: list = []
-        for key, _ in self._selector.select():
+        for key, _ in self._selector.select(timeout):
             if key.data is None:
                 try:
                     os.read(self._wake_r, 4096)

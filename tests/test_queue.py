@@ -108,3 +108,21 @@ def test_a_consumer_learns_that_the_owner_is_gone():
     while pid_alive(consumer) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(consumer)
+
+
+def _pass_on(q: StorageQueue) -> None:
+    """A spawned process hands the queue it was given to a process it starts (a DDP rank's workers)."""
+    child = mp.get_context("spawn").Process(target=_put_many, args=(q, 0, 5))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def test_a_queue_travels_on_from_a_process_it_travelled_to():
+    q = StorageQueue()
+    p = mp.get_context("spawn").Process(target=_pass_on, args=(q,))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    q.close()
+    assert [s.path for s in q] == [f"sample-{i:06d}.tsl" for i in range(5)]

@@ -105,7 +105,7 @@ class Channel:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["finalizer"]
+        state.pop("finalizer", None)  # the owner's alone (a copy passed on again has none)
         return state
 
     def check_owner(self) -> None:

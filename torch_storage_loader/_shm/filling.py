@@ -244,7 +244,11 @@ class SlotFiller:
             _check(header, opts, s.path, lease)
             headers.append(header)
         if not exact or any(h is not layout.header for h in headers):  # inline values differ: the spec too
-            batch = plan(headers, [repr(s) for s in storages])
+            try:
+                batch = plan(headers, [repr(s) for s in storages])
+            except BaseException:
+                lease.abort()  # the arrays matched, the trees do not: the slot is not delivered
+                raise
         return lease.info, lease.commit(batch)
 
     def _stack_objects(self, samples: list, names: list[str], opts: ReadOptions) -> tuple[FillInfo, Any]:

@@ -1,0 +1,111 @@
+"""Trust boundary, round 2 (issue 30): failures past the parser are refused like failures in it.
+
+A file or a name that passes the parser's checks may still fail later: where the sample is built
+(the trainer's unpickle), where samples are stacked, where a source renames a claim. Each test
+here is one way that used to hang a DataLoader, lose good samples, leak a slot or read outside the
+trusted roots; each must now end in a ``StorageError`` naming the sample, under ``on_error``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import traj
+from test_hostile import craft
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import FileStorage, StorageCorruptError, StorageDataset, StorageError
+
+TIMEOUT = 10  # a DataLoader's timeout: a hang becomes a RuntimeError
+
+
+def _good(directory, i: int) -> FileStorage:
+    s = FileStorage(os.path.join(str(directory), f"good-{i:03d}.tsl"))
+    s.save(traj(i))
+    return s
+
+
+def _ids(out, batched: bool) -> list[int]:
+    if batched:
+        return sorted(int(i) for s in out for i in s["info"]["id"])
+    return sorted(int(s["info"]["id"]) for s in out)
+
+
+# Files whose header is valid but whose sample cannot be built (or stacked) from them.
+def _bad_string(path) -> FileStorage:
+    """A str scalar whose code point is not one (numpy refuses to make the str)."""
+    header = {"arrays": [["numpy_scalar", "<U1", [], 0, 4]], "tree": ["d", ["info"], [["a", 0]]]}
+    return FileStorage(craft(path, header, b"\xff\xff\xff\xff" + bytes(60)))
+
+
+def _unstackable(path) -> FileStorage:
+    """Valid alone (an empty array of a huge shape); two of them stacked make a shape numpy refuses."""
+    header = {"arrays": [["numpy", "<f4", [0, 2**60], 0, 0]], "tree": ["d", ["x"], [["a", 0]]]}
+    return FileStorage(craft(path, header, b""))
+
+
+# ------------------------------------------------------------------ class 1: failures after the worker
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+@pytest.mark.parametrize("loader_batch", [None, 2])
+def test_a_sample_that_cannot_be_built_is_refused_in_the_worker(tmp_path, on_error, loader_batch):
+    handles = [_good(tmp_path, 0), _bad_string(tmp_path / "bad.tsl"), _good(tmp_path, 1), _good(tmp_path, 2)]
+    ds = StorageDataset(handles, on_error=on_error)
+    loader = DataLoader(ds, batch_size=loader_batch, num_workers=1, timeout=TIMEOUT)
+    if on_error == "raise":
+        it = iter(loader)
+        with pytest.raises(StorageCorruptError) as info:
+            for _ in range(4):
+                next(it)
+        assert handles[1].path in str(info.value)
+        list(it)  # what follows comes (or the data ends), never a wait for the lost item
+        return
+    out = list(loader)
+    assert _ids(out, loader_batch is not None) == [0, 1, 2]  # the good samples batched with it too
+    if loader_batch is None:  # (collated in the workers, DataLoader batches carry no counts)
+        assert ds.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_files_that_cannot_be_stacked_are_refused_in_the_worker(tmp_path, on_error):
+    a, b = _unstackable(tmp_path / "a.tsl"), _unstackable(tmp_path / "b.tsl")
+    handles = [a, b]
+    for i in range(4):
+        handles.append(FileStorage(tmp_path / f"x{i}.tsl"))
+        handles[-1].save({"x": np.zeros((0, 2**60), np.float32)[:, :1] + i})
+    ds = StorageDataset(handles, on_error=on_error, batch_size=2)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, timeout=TIMEOUT)
+    if on_error == "raise":
+        with pytest.raises(StorageError) as info:
+            list(loader)
+        assert a.path in str(info.value)
+        return
+    out = list(loader)
+    assert len(out) == 2 and all(s["x"].shape == (2, 0, 1) for s in out)
+    assert ds.stats()["skipped"] == 1
+
+
+# ------------------------------------------------------------- class 4: a slot leased on the fast path
+def test_a_batch_whose_arrays_match_but_whose_tree_does_not_leaks_no_slot(tmp_path):
+    from torch_storage_loader import SampleMismatchError
+    from torch_storage_loader._shm.filling import SlotFiller
+
+    goods = []
+    for i in range(2):
+        goods.append(FileStorage(tmp_path / f"g{i}.tsl"))
+        goods[-1].save({"x": np.arange(4, dtype=np.float32) + i})
+    other = FileStorage(tmp_path / "other.tsl")
+    other.save({"y": np.arange(4, dtype=np.float32)})  # same arrays, same size: read on the fast path
+    assert os.path.getsize(other.path) == os.path.getsize(goods[0].path)
+    filler = SlotFiller(2, budget=1 << 26)
+    try:
+        del filler.materialize_here(filler.fill_batch(goods)[1])["x"]  # the layout the fast path guesses
+        ring = filler.alloc.rings[0]
+        assert ring.free_slots() == 2
+        for _ in range(3):
+            with pytest.raises(SampleMismatchError):
+                filler.fill_batch([goods[0], other])
+        assert ring.free_slots() == 2, "a refused batch kept its slot"
+    finally:
+        filler.close()

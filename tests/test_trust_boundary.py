@@ -109,3 +109,16 @@ def test_a_batch_whose_arrays_match_but_whose_tree_does_not_leaks_no_slot(tmp_pa
         assert ring.free_slots() == 2, "a refused batch kept its slot"
     finally:
         filler.close()
+
+
+# ------------------------------------------------------------------ class 7: bool leaves are 0 or 1
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_bool_leaf_whose_bytes_are_not_0_or_1_is_refused(tmp_path, num_workers):
+    header = {"arrays": [["numpy", "|b1", [4], 0, 4]], "tree": ["d", ["done"], [["a", 0]]]}
+    bad = FileStorage(craft(tmp_path / "bad.tsl", header, b"\x00\x01\x02\xff" + bytes(60)))
+    with pytest.raises(StorageCorruptError, match="bool"):
+        bad.load()
+    handles = [_good(tmp_path, 0), bad, _good(tmp_path, 1)]
+    ds = StorageDataset(handles, on_error="skip")
+    out = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=TIMEOUT if num_workers else 0))
+    assert _ids(out, False) == [0, 1] and ds.stats()["skipped"] == 1

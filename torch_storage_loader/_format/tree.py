@@ -326,6 +326,13 @@ class Plan:
         each sample, for the leaves whose bytes are not all values: bool (0 or 1: torch's kernels
         assume so) and str (code points up to U+10FFFF). Pickled leaves are unpickled where used.
         """
+        self.check_values(u8, path)
+        if not self.built:
+            self.build(u8, path, probe=True)
+            self.built = True
+
+    def check_values(self, u8: np.ndarray, path: str = "") -> None:
+        """``check``'s per-sample part: the bytes of bool and str leaves are values of their dtype."""
         if self.error is not None:
             raise _damaged(path, self.error)
         for start, end, dtype in self.values:
@@ -335,9 +342,6 @@ class Plan:
                     raise _bad_values(path, "a bool leaf holds bytes other than 0 and 1")
             elif raw.view(np.dtype(np.uint32).newbyteorder(dtype.byteorder)).max() > 0x10FFFF:
                 raise _bad_values(path, "a str leaf holds a code point above U+10FFFF")
-        if not self.built:
-            self.build(u8, path, probe=True)
-            self.built = True
 
     def build(self, u8: np.ndarray, path: str = "", *, probe: bool = False) -> Any:
         """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it).
@@ -464,7 +468,9 @@ def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = 
     keep it alive.
     """
     u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
-    return Plan(header, opts).build(u8, path)
+    plan = Plan(header, opts)
+    plan.check_values(u8, path)
+    return plan.build(u8, path)
 
 
 class _ToTensors:

@@ -9,14 +9,25 @@ trusted roots; each must now end in a ``StorageError`` naming the sample, under 
 from __future__ import annotations
 
 import os
+import uuid
 
 import numpy as np
 import pytest
+from _redis_server import redis_server  # noqa: F401  (fixture)
 from conftest import traj
 from test_hostile import craft
 from torch.utils.data import DataLoader
 
-from torch_storage_loader import FileStorage, StorageCorruptError, StorageDataset, StorageError
+from torch_storage_loader import (
+    FileStorage,
+    ObjectStorage,
+    RedisStorageQueue,
+    StorageCorruptError,
+    StorageDataset,
+    StorageError,
+    UntrustedStorageError,
+    register_storage_type,
+)
 
 TIMEOUT = 10  # a DataLoader's timeout: a hang becomes a RuntimeError
 
@@ -122,3 +133,37 @@ def test_a_bool_leaf_whose_bytes_are_not_0_or_1_is_refused(tmp_path, num_workers
     ds = StorageDataset(handles, on_error="skip")
     out = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=TIMEOUT if num_workers else 0))
     assert _ids(out, False) == [0, 1] and ds.stats()["skipped"] == 1
+
+
+# ----------------------------------------------- class 3: confinement by what is loaded, not by class
+@register_storage_type
+class MyStorage(FileStorage):
+    """The register_storage_type docstring's example: the library's own file load path."""
+
+
+@register_storage_type
+class MyObjectStorage(ObjectStorage):
+    pass
+
+
+def test_a_registered_subclass_is_confined_to_the_trusted_roots(redis_server, tmp_path):
+    ok, other = tmp_path / "run", tmp_path / "elsewhere"
+    ok.mkdir()
+    other.mkdir()
+    MyStorage(str(other / "secret.tsl")).save(traj(7))
+    MyStorage(str(ok / "a.tsl")).save(traj(1))
+    q = RedisStorageQueue(
+        redis_server.url, f"trust-{uuid.uuid4().hex[:12]}", trusted_roots=[str(ok), "s3://bucket/run"]
+    )
+    try:
+        outside = [MyStorage(str(other / "secret.tsl")), MyObjectStorage("s3://bucket/secret.tsl")]
+        for h in [MyStorage(str(ok / "a.tsl")), *outside]:
+            q.put(h)
+        _, inside = q.get(timeout=5)
+        assert type(inside) is MyStorage and int(inside.load()["info"]["id"]) == 1
+        for _ in outside:
+            with pytest.raises(UntrustedStorageError, match="trusted_roots"):
+                q.get(timeout=5)
+        assert q.stats()["refused"] == len(outside)
+    finally:
+        q.delete()

@@ -167,3 +167,27 @@ def test_a_registered_subclass_is_confined_to_the_trusted_roots(redis_server, tm
         assert q.stats()["refused"] == len(outside)
     finally:
         q.delete()
+
+
+# ------------------------------------------------------------------ class 6: no file text in messages
+def test_stacking_errors_and_skip_logs_never_quote_keys_from_files(tmp_path, caplog):
+    from torch_storage_loader import SampleMismatchError
+
+    pairs = [
+        ({"SECRET-a": np.zeros(3, np.float32)}, {"SECRET-b": np.zeros(3, np.float32)}),  # other keys
+        ({"SECRET-x": np.zeros((3, 2), np.float32)}, {"SECRET-x": np.zeros((4, 2), np.float32)}),  # shapes
+        ({"SECRET-x": [np.zeros(2, np.float32)]}, {"SECRET-x": [np.zeros(2, np.float32)] * 2}),  # lengths
+    ]
+    handles = []
+    for i, (a, b) in enumerate(pairs):
+        handles += [FileStorage(tmp_path / f"{i}a.tsl"), FileStorage(tmp_path / f"{i}b.tsl")]
+        handles[-2].save(a)
+        handles[-1].save(b)
+        with pytest.raises(SampleMismatchError) as info:
+            next(iter(StorageDataset(handles[-2:], batch_size=2)))
+        assert "SECRET" not in str(info.value) and "at <root>" in str(info.value), str(info.value)
+    ds = StorageDataset(handles, batch_size=2, on_error="skip")
+    with caplog.at_level("WARNING", logger="torch_storage_loader"):
+        assert list(DataLoader(ds, batch_size=None)) == []
+    assert ds.stats()["skipped"] == len(pairs) and "cannot stack" in caplog.text
+    assert "SECRET" not in caplog.text, caplog.text

@@ -19,6 +19,7 @@ from test_hostile import craft
 from torch.utils.data import DataLoader
 
 from torch_storage_loader import (
+    DirectorySource,
     FileStorage,
     ObjectStorage,
     RedisStorageQueue,
@@ -191,3 +192,42 @@ def test_stacking_errors_and_skip_logs_never_quote_keys_from_files(tmp_path, cap
         assert list(DataLoader(ds, batch_size=None)) == []
     assert ds.stats()["skipped"] == len(pairs) and "cannot stack" in caplog.text
     assert "SECRET" not in caplog.text, caplog.text
+
+
+# -------------------------------------------------- class 2: names in a watched directory are data
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_hostile_names_in_a_watched_directory_never_end_the_dataloader(tmp_path, on_error):
+    import socket
+
+    from torch_storage_loader import end_directory_stream
+
+    host, dead = socket.gethostname(), _dead_pid()
+    watched = tmp_path / "w"
+    watched.mkdir()
+    (watched / "sub").mkdir()
+    (watched / "sub" / "x").write_bytes(b"")
+    for original in (".", "..", "sub"):  # dead claims whose release renames onto a directory
+        (watched / f"{original}.claimed-{host}-{dead}-{dead}").write_bytes(b"")
+    for i in range(3):
+        _good(watched, i)
+        os.makedirs(watched / f"good-{i:03d}.tsl.loaded" / "x")  # where an acknowledged file is renamed to
+    if on_error == "skip":
+        craft(watched / "bad.tsl", {"arrays": [], "tree": ["x"]})  # refused: renamed to .failed
+        os.makedirs(watched / "bad.tsl.failed" / "x")  # ... which is a directory
+        os.makedirs(watched / "dir.tsl" / "x")  # a directory to claim, then refuse, then fail
+        os.makedirs(watched / "dir.tsl.failed" / "x")
+    end_directory_stream(watched)
+    ds = StorageDataset(DirectorySource(watched, delete_after_load=False), on_error=on_error)
+    out = list(DataLoader(ds, batch_size=None, num_workers=1, timeout=TIMEOUT))
+    assert _ids(out, False) == [0, 1, 2]
+    stats = ds.stats()
+    assert stats["refused"] >= 3 and stats["skipped"] == (2 if on_error == "skip" else 0), stats

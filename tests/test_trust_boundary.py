@@ -231,3 +231,31 @@ def test_hostile_names_in_a_watched_directory_never_end_the_dataloader(tmp_path,
     assert _ids(out, False) == [0, 1, 2]
     stats = ds.stats()
     assert stats["refused"] >= 3 and stats["skipped"] == (2 if on_error == "skip" else 0), stats
+
+
+# ----------------------------------------------------- class 5: private memory is bounded too
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_sparse_file_claiming_more_than_max_shm_bytes_is_refused_without_workers(tmp_path, on_error):
+    from torch_storage_loader import SampleTooLargeError
+
+    big = 256 << 20
+    header = {"arrays": [["numpy", "|u1", [big], 0, big]], "tree": ["d", ["x"], [["a", 0]]]}
+    sparse = FileStorage(craft(tmp_path / "sparse.tsl", header, b"", data_size=big))
+    with open(sparse.path, "r+b") as f:
+        f.truncate(os.path.getsize(sparse.path) + big)  # a few KiB of disk, 256 MiB of data section
+    handles = [_good(tmp_path, 0), sparse, _good(tmp_path, 1)]
+    ds = StorageDataset(handles, on_error=on_error, max_shm_bytes=64 << 20)
+    before = _rss()
+    if on_error == "raise":
+        with pytest.raises(SampleTooLargeError, match="max_shm_bytes") as info:
+            list(DataLoader(ds, batch_size=None, num_workers=0))
+        assert sparse.path in str(info.value)
+    else:
+        assert _ids(list(DataLoader(ds, batch_size=None, num_workers=0)), False) == [0, 1]
+        assert ds.stats()["skipped"] == 1
+    assert _rss() - before < 64 << 20

@@ -350,10 +350,37 @@ def _keep(buf: Any) -> None:
 
 
 class PrivateAllocator:
-    """For the consuming process itself (``num_workers=0``): private buffers, no slots."""
+    """For the consuming process itself (``num_workers=0``): private buffers, no slots.
+
+    ``budget`` bounds one sample's private memory as ``max_shm_bytes`` bounds the workers' shared
+    memory (None: no bound), so a header cannot make the trainer allocate what it declares."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
 
     def lease(self, nbytes: int, path: str, opts: ReadOptions) -> Lease:
-        return _PrivateLease(nbytes, path, opts)
+        if self.budget is not None and nbytes > self.budget:
+            raise SampleTooLargeError(
+                f"{path}: the sample needs {_human(nbytes)} of memory, more than max_shm_bytes "
+                f"({_human(self.budget)}; the default is half the size of {shm_dir()}), which bounds a "
+                "sample read without workers too. If the sample is genuine, raise max_shm_bytes; if not, "
+                "the file's header is damaged",
+                path=path,
+                needed=nbytes,
+                budget=self.budget,
+                directory=shm_dir(),
+            )
+        try:
+            return _PrivateLease(nbytes, path, opts)
+        except (MemoryError, OSError) as exc:  # within the bound, still more than this machine has
+            raise SampleTooLargeError(
+                f"{path}: the sample needs {_human(nbytes)} of memory, which this process cannot allocate "
+                f"({type(exc).__name__}); lower max_shm_bytes to refuse such samples before they are read",
+                path=path,
+                needed=nbytes,
+                budget=self.budget or 0,
+                directory=shm_dir(),
+            ) from None
 
     def find(self, uid: str) -> None:
         return None

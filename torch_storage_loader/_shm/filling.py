@@ -368,8 +368,16 @@ def _is_plain_file(storage: Storage) -> bool:
 class LocalFiller(SlotFiller):
     """The same work in the consuming process itself (``num_workers=0``): private buffers, no slots."""
 
-    def __init__(self, n_slots: int = 1, *, as_tensors: bool = False, device: str | None = None, **_: Any) -> None:
+    def __init__(
+        self,
+        n_slots: int = 1,
+        *,
+        as_tensors: bool = False,
+        device: str | None = None,
+        budget: int | None = None,
+        **_: Any,
+    ) -> None:
         self.as_tensors = as_tensors
         self.device = device
-        self.alloc = PrivateAllocator()
+        self.alloc = PrivateAllocator(budget)  # one sample's private memory (None: unbounded)
         self._init_reader()

@@ -13,7 +13,7 @@ import uuid
 
 import numpy as np
 import pytest
-from _redis_server import redis_server  # noqa: F401  (fixture)
+from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
 from conftest import traj
 from test_hostile import craft
 from torch.utils.data import DataLoader
@@ -259,3 +259,52 @@ def test_a_sparse_file_claiming_more_than_max_shm_bytes_is_refused_without_worke
         assert _ids(list(DataLoader(ds, batch_size=None, num_workers=0)), False) == [0, 1]
         assert ds.stats()["skipped"] == 1
     assert _rss() - before < 64 << 20
+
+
+# ------------------------------------------- the Redis ACL recipe of the security guide, as written
+def _producer_acl() -> list[str]:
+    """docs/guides/security.md's recipe, as written there (for stream ``run-1``), split as redis-cli does."""
+    import pathlib
+    import shlex
+
+    guide = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "security.md"
+    line = next(x for x in guide.read_text().splitlines() if x.startswith("ACL SETUSER producer "))
+    return shlex.split(line.replace(">PASSWORD", ">producer-pw"))
+
+
+def test_the_redis_acl_recipe_lets_a_producer_append_and_nothing_more(fresh_redis_server, tmp_path):
+    import redis
+
+    server = fresh_redis_server()
+    stream = "run-1"
+    consumer = RedisStorageQueue(server.url, stream, trusted_roots=[str(tmp_path)])
+    admin = redis.Redis.from_url(server.url)
+    try:
+        consumer.stats()  # the consumer makes the stream and its group first
+        admin.execute_command(*_producer_acl())
+        url = f"redis://producer:producer-pw@127.0.0.1:{server.port}/0"
+        producer = RedisStorageQueue(url, stream)
+        with producer.producer("collector-0"):
+            producer.put(_good(tmp_path, 4))
+        assert int(consumer.get(timeout=5)[1].load()["info"]["id"]) == 4
+        raw = redis.Redis.from_url(url)
+        meta = f"tsl:{{{stream}}}:meta"
+        for cmd in (
+            ("XTRIM", stream, "MAXLEN", "0"),
+            ("XDEL", stream, "0-1"),
+            ("DEL", stream),
+            ("XACK", stream, "g", "0-1"),
+            ("XGROUP", "DESTROY", stream, "g"),
+            ("XREADGROUP", "GROUP", "g", "c", "STREAMS", stream, ">"),
+            ("HSET", meta, "closed", "1"),
+            ("EVAL", "return redis.call('HSET', KEYS[1], 'closed', '1')", "1", meta),
+            ("EVAL", "return redis.call('XADD', KEYS[1], '*', 'h', 'x')", "1", "other-stream"),
+            ("XADD", "other-stream", "*", "h", "x"),
+        ):
+            with pytest.raises(redis.ResponseError, match="permission"):
+                raw.execute_command(*cmd)
+        raw.close()
+        producer.disconnect()
+    finally:
+        consumer.delete()
+        admin.close()

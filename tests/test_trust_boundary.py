@@ -13,6 +13,7 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 from _redis_server import fresh_redis_server, redis_server  # noqa: F401  (fixtures)
 from conftest import traj
 from test_hostile import craft
@@ -130,6 +131,11 @@ def test_a_bool_leaf_whose_bytes_are_not_0_or_1_is_refused(tmp_path, num_workers
     bad = FileStorage(craft(tmp_path / "bad.tsl", header, b"\x00\x01\x02\xff" + bytes(60)))
     with pytest.raises(StorageCorruptError, match="bool"):
         bad.load()
+    made = FileStorage(tmp_path / "made.tsl")  # bool made from other bytes: saved as its truth values
+    raw = np.array([0, 1, 2, 255], np.uint8)
+    made.save({"t": torch.from_numpy(raw.copy()).view(torch.bool), "n": raw.view(bool)})
+    back = made.load()
+    assert back["t"].view(torch.uint8).tolist() == [0, 1, 1, 1] and back["n"].view(np.uint8).tolist() == [0, 1, 1, 1]
     handles = [_good(tmp_path, 0), bad, _good(tmp_path, 1)]
     ds = StorageDataset(handles, on_error="skip")
     out = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=TIMEOUT if num_workers else 0))

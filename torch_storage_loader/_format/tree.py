@@ -74,8 +74,16 @@ def _numpy_leaf(arr: np.ndarray, kind: str, path: tuple) -> Leaf:
         )
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    data = _bool_bytes(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), arr.dtype.kind == "b")
     return Leaf(kind, arr.dtype.str, tuple(arr.shape), data)
+
+
+def _bool_bytes(data: np.ndarray, is_bool: bool) -> np.ndarray:
+    """A bool leaf's bytes as 0 or 1 (what readers accept): one made from other bytes (a view of
+    uint8 data as bool, say) is stored as the truth values torch and numpy mostly give it."""
+    if is_bool and data.size and data.max() > 1:
+        return (data != 0).view(np.uint8)
+    return data
 
 
 def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
@@ -96,7 +104,7 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
         t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
     flat = t.reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-    return Leaf("torch", name, tuple(t.shape), data)
+    return Leaf("torch", name, tuple(t.shape), _bool_bytes(data, t.dtype == torch.bool))
 
 
 _CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple)

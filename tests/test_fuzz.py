@@ -1,5 +1,7 @@
 """Fuzzing what an untrusted writer controls (issue 17): files, batch headers, Redis records and
-entries, claim bodies and names, non-regular files.
+entries, claim bodies and names, non-regular files; and past the parser (issue 30): valid headers
+with hostile data sections, hostile stacked combinations, hostile directory entries and records of
+registered subclasses, through real DataLoaders with workers and both batchings, both ``on_error``.
 
 Whatever the bytes, a consumer gets a sample or one of our error types, in bounded time, with no
 descriptor, slot, ring, thread or process left behind, and the next valid sample still loads on
@@ -733,3 +735,307 @@ def test_any_claim_name_parses_to_a_valid_claim_or_none(original, host, family, 
     if claim is not None:
         assert claim.ref.original and _proc.parse_pid(claim.family) is not None and 1 <= claim.pid <= _proc.PID_MAX
         assert type(_proc.trainer_alive(claim.family, claim.pid)) is bool
+
+
+# ------------------------------------------- past the parser (issue 30): build, stack, names, classes
+# A valid header is no promise about the data: whatever the data section holds, a worker either
+# refuses the file (a StorageError, under on_error) or sends a sample the trainer can build.
+def _value_sample(i: int, text: bool = True) -> dict:
+    """Leaves whose bytes the data decides (bool, str, numbers); one structure for every ``i``, so
+    that DataLoader-side batching collates them (without ``text``: default_collate refuses str arrays)."""
+    sample = {"x": np.full(3, i, np.float32), "done": np.array([1, 0, 1], bool), "id": np.int64(i)}
+    return sample | ({"name": np.str_("ab")} if text else {})
+
+
+def _file_bytes(sample) -> bytes:
+    spec, leaves = _tree.encode(sample)
+    buffers, _ = _format.serialize(spec, leaves)
+    return b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+
+
+VALUE_BASES = [*BASES, _file_bytes(_value_sample(0)), _file_bytes({"s": np.array(["abc", "d"]), "b": np.ones(5, bool)})]
+
+
+@st.composite
+def hostile_data(draw, raw: bytes):
+    """``raw`` (a valid file) with its header kept and its data section overwritten in 1 to 6 places."""
+    header = _format.parse_header(raw, "base.tsl", len(raw))
+    data = bytearray(raw[header.data_offset :])
+    # Half the changes land in a leaf whose bytes may be no value (bool, str): where builds fail.
+    risky = [
+        (e.offset, e.nbytes)
+        for e in header.arrays
+        if e.nbytes and (e.dtype == "bool" if e.kind == "torch" else np.dtype(e.dtype).kind in "bU")
+    ]
+    for _ in range(draw(st.integers(1, 6))):
+        if not data:
+            break
+        pos = draw(st.integers(0, len(data) - 1))
+        if risky and draw(st.sampled_from(["risky", "anywhere"])) == "risky":  # (the first: what shrinks to)
+            offset, nbytes = draw(st.sampled_from(risky))
+            pos = offset + draw(st.integers(0, nbytes - 1))
+        chunk = draw(st.one_of(st.sampled_from([b"\xff" * 4, b"\x02", b"\x00\xd8"]), st.binary(min_size=1, max_size=8)))
+        data[pos : pos + len(chunk)] = chunk[: len(data) - pos]
+    return raw[: header.data_offset] + bytes(data)
+
+
+def _worker_then_trainer(header, data: bytes, as_tensors: bool):
+    """What a worker checks (``Plan.check``), then what the trainer builds from a fresh plan, as a
+    reference's unpickling does; None where the worker refused it."""
+    u8 = np.frombuffer(bytearray(data), np.uint8)
+    opts = _format.ReadOptions(False, as_tensors, None)
+    try:
+        _tree.Plan(header, opts).check(u8, "fuzz.tsl")
+    except StorageError:
+        return None
+    return _tree.Plan(header, opts).build(u8, "fuzz.tsl")  # must not raise: nothing left to refuse it
+
+
+def test_what_a_worker_sends_the_trainer_can_build(tmp_path):
+    @fuzz_settings()
+    @given(raw=st.sampled_from(VALUE_BASES).flatmap(hostile_data), as_tensors=st.booleans())
+    def one(raw, as_tensors):
+        _ran["valid headers, hostile data"] += 1
+        header = _format.parse_header(raw, "fuzz.tsl", len(raw))
+        data = raw[header.data_offset :]
+        sample = _worker_then_trainer(header, data, as_tensors)
+        if sample is not None:
+            _values_hold(sample)
+
+    one()
+
+
+def _values_hold(sample) -> None:
+    """What a delivered sample's leaves must be: bools 0 or 1, str code points up to U+10FFFF."""
+    for leaf in _leaves(sample):
+        if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bool:
+            leaf = leaf.numpy()
+        if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == bool:
+            assert np.asarray(leaf).reshape(-1).view(np.uint8).max(initial=0) <= 1, "a bool leaf holds other bytes"
+        if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind == "U":
+            points = np.asarray(leaf).reshape(-1).view(np.uint32)
+            assert points.max(initial=0) <= 0x10FFFF, "a str leaf holds no code point"
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield x
+
+
+SHAPES = st.lists(
+    st.one_of(st.integers(0, 3), st.sampled_from([0, 2**20, 2**40, 2**59, 2**60, 2**61])), min_size=0, max_size=4
+).map(tuple) | st.sampled_from([(1,) * 63, (1,) * 64, (0,) * 64, (0, 2**60), (2**60, 0)])
+
+
+@st.composite
+def stackable_headers(draw):
+    """Two or three headers that the parser accepts alone, with shapes (and inline values) that may not stack."""
+    k = draw(st.integers(2, 3))
+    dtype = draw(st.sampled_from(["<f4", "|b1", "<U2", "<i8", "|u1"]))
+    shapes = draw(st.lists(SHAPES, min_size=k, max_size=k)) if draw(st.booleans()) else [draw(SHAPES)] * k
+    headers = []
+    for shape in shapes:
+        n = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        if n > 4096:
+            shape = tuple(0 if i == 0 else d for i, d in enumerate(shape)) or (0,)
+            n = 0
+        size = _format.align(n) if n else 0
+        doc = {
+            "arrays": [["numpy", dtype, list(shape), 0, n]],
+            "tree": ["d", ["x", "v"], [["a", 0], draw(st.sampled_from([["i", 1], ["s", "q"], ["n"]]))]],
+        }
+        text = json.dumps(doc, separators=(",", ":")).encode()
+        raw = _assemble(text, bytes(size), size)
+        try:
+            headers.append(_format.parse_header(raw, "s.tsl", len(raw)))
+        except StorageError:
+            return None
+    return headers
+
+
+def test_stacked_headers_are_refused_or_build(tmp_path):
+    @fuzz_settings()
+    @given(headers=stackable_headers(), as_tensors=st.booleans())
+    def one(headers, as_tensors):
+        _ran["stacked header combinations"] += 1
+        if headers is None:
+            return
+        try:
+            batch = _batch.plan(headers, [f"s{i}.tsl" for i in range(len(headers))])
+        except StorageError:
+            return
+        _worker_then_trainer(batch, bytes(batch.data_size), as_tensors)
+
+    one()
+
+
+def _write_value_files(d, raws: list[bytes], text: bool) -> tuple[list, list[int]]:
+    """Goods (ids 100+) around files of hostile data; the ids the worker lets through in-process."""
+    handles, passing = [], []
+    for i, raw in enumerate(raws):
+        bad = FileStorage(d / f"bad-{i}.tsl")
+        (d / f"bad-{i}.tsl").write_bytes(raw)
+        good = FileStorage(d / f"good-{i}.tsl")
+        good.save(_value_sample(100 + i, text))
+        handles += [bad, good]
+        header = _format.parse_header(raw, bad.path, len(raw))
+        if _worker_then_trainer(header, raw[header.data_offset :], True) is not None:
+            passing.append(i)
+    return handles, passing
+
+
+def test_a_dataloader_over_hostile_data_never_hangs_nor_loses_a_good_sample(tmp_path):
+    bases = {text: _file_bytes(_value_sample(0, text)) for text in (True, False)}
+
+    @fuzz_settings(max(2, SLOW_EXAMPLES // 5))
+    @given(
+        data=st.data(),
+        batching=st.sampled_from([(None, None), (2, None), (None, 2), (2, 2)]),  # (dataset's, DataLoader's)
+        on_error=st.sampled_from(["skip", "raise"]),
+    )
+    def one(data, batching, on_error):
+        ds_batch, loader_batch = batching
+        text = loader_batch is None
+        raws = data.draw(st.lists(hostile_data(bases[text]), min_size=2, max_size=6))
+        _ran["DataLoader runs over hostile data (workers, both batchings)"] += 1
+        d = tmp_path / uuid.uuid4().hex[:8]
+        d.mkdir()
+        handles, passing = _write_value_files(d, raws, text)
+        ds = StorageDataset(handles, on_error=on_error, batch_size=ds_batch)
+        loader = DataLoader(
+            ds, batch_size=loader_batch, num_workers=1, multiprocessing_context="fork", timeout=30
+        )  # a hang is a RuntimeError, never a pass
+        out, errors, it = [], 0, iter(loader)
+        while True:  # after an error (on_error="raise") the iterator goes on: to the end, never a wait
+            try:
+                out.append(next(it))
+            except StopIteration:
+                break
+            except StorageError:
+                assert on_error == "raise", "on_error='skip' raised"
+                errors += 1
+        for b in out:
+            _values_hold(b)
+        ids = sorted(int(i) for b in out for i in b["id"].reshape(-1))
+        goods = set(range(100, 100 + len(raws)))
+        if on_error == "skip" and ds_batch is None:  # (a dataset batch is skipped whole)
+            assert goods <= set(ids), "a good sample was lost"
+            assert len(ids) == len(goods) + len(passing)
+
+    one()
+
+
+# Names a writer can give entries of a watched directory: claims of dead trainers on this host whose
+# original is ".", "..", a directory or a file, and settled names (.failed, .loaded) that are directories.
+# (Not claims named for another host: whether that host's trainer lives cannot be known from here, so
+# such a claim holds the stream's end until it is removed; the security guide says so.)
+def test_a_dataloader_over_hostile_directory_entries_ends_with_every_good_file(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from torch_storage_loader import DirectorySource, end_directory_stream
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    host, dead = socket.gethostname(), proc.pid
+    originals = st.sampled_from([".", "..", "sub", "sub/", "good-0.tsl", "x.tsl", "", "-", "\u00b2.tsl"])
+    claims = st.lists(
+        st.tuples(originals, st.just(host), st.sampled_from([str(dead), "x", "0", "99999999"])),
+        max_size=4,
+    )
+    settled = st.lists(
+        st.tuples(
+            st.sampled_from(["good-1.tsl", "good-2.tsl", "bad.tsl", "dir.tsl"]),
+            st.sampled_from([".failed", ".loaded", ""]),
+        ),
+        max_size=4,
+    )
+
+    @fuzz_settings(max(2, SLOW_EXAMPLES // 5))
+    @given(claims=claims, settled=settled, on_error=st.sampled_from(["skip", "raise"]), keep=st.booleans())
+    def one(claims, settled, on_error, keep):
+        _ran["watched directories with hostile names (DataLoader runs)"] += 1
+        w = tmp_path / uuid.uuid4().hex[:8]
+        w.mkdir()
+        (w / "sub").mkdir()
+        (w / "sub" / "x").write_bytes(b"")
+        for original, h, pid in claims:
+            name = f"{original}.claimed-{h}-{pid}-{pid}"
+            if "/" not in name:
+                (w / name).write_bytes(b"")
+        for name, suffix in settled:
+            os.makedirs(w / f"{name}{suffix}" / "x", exist_ok=True)
+        goods = []
+        for i in range(3):
+            goods.append(not (w / f"good-{i}.tsl").exists())  # (a directory of that name: no good file)
+            if goods[-1]:
+                FileStorage(w / f"good-{i}.tsl").save(_value_sample(100 + i))
+        end_directory_stream(w)
+        ds = StorageDataset(DirectorySource(w, delete_after_load=not keep), on_error=on_error)
+        out, it = [], iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=30))
+        while True:  # to the end, also after an error: the iterator then shuts its workers down itself
+            try:
+                out.append(next(it))
+            except StopIteration:
+                break
+            except StorageError:
+                assert on_error == "raise"  # a directory named *.tsl, claimed and refused: raised, as asked
+        if on_error == "raise":
+            return  # (what follows an error is not delivered: the worker's iteration ended with it)
+        # every good file delivered, but one a dead claim's release may overwrite (a writer's right)
+        expected = {
+            100 + i
+            for i, good in enumerate(goods)
+            if good and not (i == 0 and any(o == "good-0.tsl" for o, _, _ in claims))
+        }
+        assert expected <= {int(s["id"]) for s in out}
+
+    one()
+
+
+# Registered subclasses keep the library's own load path: their records are confined like their base's.
+@_codec.register_storage_type
+class FuzzFileStorage(FileStorage):
+    pass
+
+
+@_codec.register_storage_type
+class FuzzObjectStorage(ObjectStorage):
+    pass
+
+
+def test_any_record_of_a_registered_subclass_is_confined_or_refused(tmp_path):
+    root = _record_root(tmp_path)
+    roots = _trust.roots([root, "s3://bucket/run"])
+    names = [_codec._type_name(FuzzFileStorage), _codec._type_name(FuzzObjectStorage)]
+
+    @fuzz_settings()
+    @given(raw=hostile_records(root), name=st.sampled_from(names), extra=st.booleans())
+    def one(raw, name, extra):
+        _ran["records of registered subclasses"] += 1
+        try:
+            record = json.loads(raw)
+            record["type"] = name
+            if extra and type(record.get("fields")) is dict:
+                record["fields"]["note"] = "x"
+            raw = json.dumps(record).encode()
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            pass  # not JSON (to this test's parser): sent as it is
+        try:
+            storage = _codec.decode(raw, trusted_roots=roots)
+        except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError):
+            return
+        if isinstance(storage, FileStorage):
+            real = os.path.realpath(os.path.dirname(storage.path))
+            assert (real + "/").startswith(os.path.realpath(root) + "/"), storage.path
+        elif isinstance(storage, ObjectStorage):
+            assert storage.path.startswith("s3://bucket/run/") and ".." not in storage.path
+
+    one()

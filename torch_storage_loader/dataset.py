@@ -107,7 +107,8 @@ class StorageDataset(IterableDataset[Any]):
             have in flight before it falls back to segments of its own.
         max_rings_per_worker: How many rings (one per size class of items) a worker keeps.
         max_shm_bytes: Shared memory for all of this DataLoader's workers, split evenly between
-            them; None: half the size of /dev/shm.
+            them; None: half the size of /dev/shm. Without workers, the most private memory one
+            sample may take (a file's header cannot make the trainer allocate more).
         on_error: ``"raise"`` (the default) raises a sample's load error in the trainer; ``"skip"``
             logs it, counts it (``stats()["skipped"]``) and goes on.
         shuffle: Draw a new order each epoch from ``(seed, epoch)``; finite sources only.
@@ -551,7 +552,8 @@ class StorageDataset(IterableDataset[Any]):
                     device=self.device,
                 )
             else:
-                self._filler = LocalFiller(as_tensors=True, device=self.device)
+                budget = self.max_shm_bytes or default_shm_budget()  # bounds private memory here
+                self._filler = LocalFiller(as_tensors=True, device=self.device, budget=budget)
             self._filler_pid = os.getpid()
         return self._filler
 

@@ -99,7 +99,8 @@ class InsufficientSharedMemoryError(StorageError, MemoryError):
 
 
 class SampleTooLargeError(InsufficientSharedMemoryError):
-    """A sample's data section is larger than one worker's share of ``max_shm_bytes``."""
+    """A sample's data section is larger than one worker's share of ``max_shm_bytes`` (without
+    workers: than ``max_shm_bytes``, which bounds a sample's private memory then)."""
 
 
 class ShmTransportError(StorageError, RuntimeError):

@@ -7,15 +7,34 @@ from __future__ import annotations
 
 from ..errors import SampleMismatchError
 from .file import BYTE_KINDS, ArrayEntry, Header, align
-from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, kind_name, leaf_paths, spec_key
+from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, kind_name
 
 __all__ = ["file_iovecs", "plan"]
 
 
 def _show_path(path: tuple) -> str:
-    """``('obs', 0)`` -> ``"['obs'][0]"``; long keys and deep paths are cut (they come from files)."""
-    shown = "".join(f"[{_short(repr(k), 40)}]" for k in path[:12])
-    return (shown + ("[...]" if len(path) > 12 else "")) or "<root>"
+    """``(("k", 1), 0)`` -> ``"<root>{#1}[0]"``: keys by position, never quoted (they are file text)."""
+    shown = "".join(f"{{#{p[1]}}}" if type(p) is tuple else f"[{p}]" for p in path[:12])
+    return "<root>" + shown + ("..." if len(path) > 12 else "")
+
+
+def _leaf_positions(spec: list) -> list[tuple]:
+    """The position path (``_show_path``'s) of every array leaf of ``spec``, in leaf order."""
+    out: list[tuple] = []
+
+    def walk(node: list, path: tuple) -> None:
+        tag = node[0]
+        if tag == ARRAY:
+            out.append(path)
+        elif tag in MAPPINGS:
+            for i, child in enumerate(node[2]):
+                walk(child, (*path, ("k", i)))
+        elif tag in SEQUENCES:
+            for i, child in enumerate(node[1]):
+                walk(child, (*path, i))
+
+    walk(spec, ())
+    return out
 
 
 def _short(text: str, n: int = 200) -> str:
@@ -25,8 +44,7 @@ def _short(text: str, n: int = 200) -> str:
 def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
     """One spec for the batch; inline scalars that vary become a ``["v", [node, ...]]`` list.
 
-    ``path`` is a tuple of keys, formatted only for an error: building a string per node would
-    cost the depth times the keys' length at every level."""
+    ``path`` is a tuple of positions (``_show_path``), formatted only for an error."""
     first = specs[0]
     tag = first[0]
     if tag in SCALARS and all(s[0] in SCALARS for s in specs):
@@ -40,12 +58,12 @@ def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
         for j, s in enumerate(specs[1:], 1):
             if s[1] != first[1]:
                 raise _mismatch(
-                    path, names[0], names[j], f"keys {_short(repr(first[1]))}", f"keys {_short(repr(s[1]))}"
+                    path, names[0], names[j], f"a mapping of {len(first[1])} key(s)", f"other key(s): {len(s[1])}"
                 )
         return [
             tag,
             first[1],
-            [_merge([s[2][i] for s in specs], (*path, spec_key(k)), names) for i, k in enumerate(first[1])],
+            [_merge([s[2][i] for s in specs], (*path, ("k", i)), names) for i in range(len(first[1]))],
         ]
     if tag in SEQUENCES:
         for j, s in enumerate(specs[1:], 1):
@@ -58,8 +76,9 @@ def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
 def _mismatch(path: tuple, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
     shown = _show_path(path)
     return SampleMismatchError(
-        f"cannot stack the batch: at {shown} {name_a} has {a} but {name_b} has {b}; "
-        "pass collate_fn= to combine samples whose shapes differ (or batch_size=None)",
+        f"cannot stack the batch: at {shown} {name_a} has {a} but {name_b} has {b} ({{#i}}: a mapping's "
+        "i-th key; keys are file text, never quoted); pass collate_fn= to combine samples whose shapes "
+        "differ (or batch_size=None)",
         key_path=shown,
     )
 
@@ -75,14 +94,14 @@ def plan(headers: list[Header], names: list[str]) -> Header:
             o = h.arrays[i]
             if (o.kind, o.dtype, o.shape) != (e.kind, e.dtype, e.shape):
                 raise _mismatch(
-                    leaf_paths(first.spec)[i],
+                    _leaf_positions(first.spec)[i],
                     names[0],
                     names[j],
                     _short(f"{e.dtype} {list(e.shape)}"),
                     _short(f"{o.dtype} {list(o.shape)}"),
                 )
         if e.kind in BYTE_KINDS:
-            shown = _show_path(leaf_paths(first.spec)[i])
+            shown = _show_path(_leaf_positions(first.spec)[i])
             raise SampleMismatchError(
                 f"cannot stack the {e.kind} leaf at {shown}; pass collate_fn= to batch such samples", key_path=shown
             )

@@ -192,11 +192,7 @@ def decode(raw: bytes | str, *, allow_pickle: bool = False, trusted_roots: _trus
             "names would be unpickled. Pass allow_pickle=True to the queue if every producer "
             "is trusted"
         )
-    roots = trusted_roots if trusted_roots is not None else _trust.Roots()
-    if cls is FileStorage:
-        _trust.check_file(fields["path"], roots)
-    elif cls is ObjectStorage:
-        _trust.check_object(fields["path"], roots)
+    _confine(cls, name, fields, trusted_roots if trusted_roots is not None else _trust.Roots())
     storage = cls.__new__(cls)
     if cls is FileStorage:
         storage.__dict__.update({"path": fields["path"], "allow_pickle": fields.get("allow_pickle", False)})
@@ -212,6 +208,23 @@ def decode(raw: bytes | str, *, allow_pickle: bool = False, trusted_roots: _trus
     else:
         storage.__dict__.update(fields)
     return storage
+
+
+def _confine(cls: type, name: str, fields: dict, roots: _trust.Roots) -> None:
+    """The roots check, by what is loaded rather than by class: any file or object handle (a
+    registered subclass too, which keeps the library's own load path) names a path under ``roots``."""
+    if not issubclass(cls, (FileStorage, ObjectStorage)):
+        return  # the class loads its own bytes: what it reads is its author's to confine
+    path = fields.get("path")
+    if type(path) is not str or not path or len(path) > _trust.MAX_PATH_CHARS or "\x00" in path:
+        raise HandleRecordError(
+            f"a {name} record's path is missing, not a string, empty, over {_trust.MAX_PATH_CHARS} "
+            "characters, or holds a NUL"
+        )
+    if issubclass(cls, FileStorage):
+        _trust.check_file(path, roots)
+    else:
+        _trust.check_object(path, roots)
 
 
 def _check_schema(name: str, fields: dict, schema: dict) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import StorageCorruptError
 from . import limits as _limits
 
-__all__ = ["ARRAY", "MAPPINGS", "SCALARS", "SEQUENCES", "check_tree", "corrupt", "kind_name", "leaf_paths", "spec_key"]
+__all__ = ["ARRAY", "MAPPINGS", "SCALARS", "SEQUENCES", "check_tree", "corrupt", "kind_name", "spec_key"]
 
 ARRAY = "a"
 MAPPINGS = ("d", "od", "tt", "tn")
@@ -33,25 +33,6 @@ def spec_key(k: Any) -> Any:
 def kind_name(node: list[Any]) -> str:
     """What a spec node holds, in words, for an error message."""
     return _KIND_NAMES.get(node[0], "scalar")
-
-
-def leaf_paths(spec: list[Any]) -> list[tuple[Any, ...]]:
-    """Key path (a tuple of keys and indices) of every array leaf of ``spec``, in leaf order."""
-    out: list[tuple[Any, ...]] = []
-
-    def walk(node: list[Any], path: tuple[Any, ...]) -> None:
-        tag = node[0]
-        if tag == ARRAY:
-            out.append(path)
-        elif tag in MAPPINGS:
-            for k, child in zip(node[1], node[2], strict=True):
-                walk(child, (*path, spec_key(k)))
-        elif tag in SEQUENCES:
-            for i, child in enumerate(node[1]):
-                walk(child, (*path, i))
-
-    walk(spec, ())
-    return out
 
 
 def corrupt(path: str, why: str) -> StorageCorruptError:

@@ -74,8 +74,16 @@ def _numpy_leaf(arr: np.ndarray, kind: str, path: tuple) -> Leaf:
         )
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    data = _bool_bytes(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), arr.dtype.kind == "b")
     return Leaf(kind, arr.dtype.str, tuple(arr.shape), data)
+
+
+def _bool_bytes(data: np.ndarray, is_bool: bool) -> np.ndarray:
+    """A bool leaf's bytes as 0 or 1 (what readers accept): one made from other bytes (a view of
+    uint8 data as bool, say) is stored as the truth values torch and numpy mostly give it."""
+    if is_bool and data.size and data.max() > 1:
+        return (data != 0).view(np.uint8)
+    return data
 
 
 def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
@@ -96,7 +104,7 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
         t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
     flat = t.reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-    return Leaf("torch", name, tuple(t.shape), data)
+    return Leaf("torch", name, tuple(t.shape), _bool_bytes(data, t.dtype == torch.bool))
 
 
 _CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple)
@@ -233,16 +241,23 @@ class Plan:
     for decoding the header's spec once; ``build`` then makes one view per leaf and the tree.
     """
 
-    __slots__ = ("error", "header", "leaves", "opts", "tree")
+    __slots__ = ("built", "error", "header", "leaves", "opts", "tree", "values")
 
     def __init__(self, header: Header, opts: ReadOptions = DEFAULT_READ) -> None:
         self.header, self.opts = header, opts
         self.leaves: list[tuple] = []
         self.tree: Any = None
         self.error: str | None = None
+        self.built = False  # whether check() built a sample of this plan (its structure holds)
+        self.values: list[tuple] = []  # (start, end, dtype) of leaves whose bytes may be no value
         try:
             self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
             self.tree = self._node(header.spec)
+            self.values = [
+                (start, end, a)
+                for code, start, end, a, _ in self.leaves
+                if code in (_L_TENSOR, _L_ARRAY, _L_SCALAR) and a.kind in "bU" and end > start
+            ]
         except Exception as exc:  # noqa: BLE001 - headers are validated where read; this is a backstop
             self.error = type(exc).__name__
 
@@ -309,8 +324,37 @@ class Plan:
                 return False
         return True
 
-    def build(self, u8: np.ndarray, path: str = "") -> Any:
-        """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it)."""
+    def check(self, u8: np.ndarray, path: str = "") -> None:
+        """Raise ``StorageCorruptError`` (naming ``path``) unless ``build(u8, path)`` makes the sample.
+
+        What a worker does before it sends a reference: the receiver builds the sample while it
+        unpickles the worker's result, where an error has no way back to the sample's handle (a
+        DataLoader would wait for that item for ever). A header's structure (shapes numpy and
+        torch accept, stacked or not) is checked once per plan, by building a sample; the data of
+        each sample, for the leaves whose bytes are not all values: bool (0 or 1: torch's kernels
+        assume so) and str (code points up to U+10FFFF). Pickled leaves are unpickled where used.
+        """
+        self.check_values(u8, path)
+        if not self.built:
+            self.build(u8, path, probe=True)
+            self.built = True
+
+    def check_values(self, u8: np.ndarray, path: str = "") -> None:
+        """``check``'s per-sample part: the bytes of bool and str leaves are values of their dtype."""
+        if self.error is not None:
+            raise _damaged(path, self.error)
+        for start, end, dtype in self.values:
+            raw = u8[start:end]
+            if dtype.kind == "b":
+                if raw.max() > 1:
+                    raise _bad_values(path, "a bool leaf holds bytes other than 0 and 1")
+            elif raw.view(np.dtype(np.uint32).newbyteorder(dtype.byteorder)).max() > 0x10FFFF:
+                raise _bad_values(path, "a str leaf holds a code point above U+10FFFF")
+
+    def build(self, u8: np.ndarray, path: str = "", *, probe: bool = False) -> Any:
+        """The sample whose data section is ``u8`` (a 1-D uint8 array; the leaves are views of it).
+
+        ``probe``: for ``check``, pickled leaves are left as None, not unpickled."""
         if self.error is not None:
             raise _damaged(path, self.error)
         leaves: list[Any] = []
@@ -321,6 +365,8 @@ class Plan:
                     add(torch.from_numpy(u8[start:end].view(a).reshape(shape)))
                 elif code == _L_ARRAY:
                     add(u8[start:end].view(a).reshape(shape))
+                elif code == _L_PICKLE and probe:
+                    add(None)
                 else:
                     add(self._other_leaf(u8, code, start, end, a, shape, path))
             tree = self.tree
@@ -380,6 +426,14 @@ class Plan:
         return node[1]({k: self._walk(v, leaves) for k, v in zip(node[2], node[3])})
 
 
+def _bad_values(path: str, why: str) -> StorageCorruptError:
+    return StorageCorruptError(
+        f"{path}: its data section is not the values its header declares ({why}); delete the file or "
+        "save the sample again",
+        path=path,
+    )
+
+
 def _damaged(path: str, why: str) -> StorageCorruptError:
     return StorageCorruptError(
         f"{path}: tree in header is damaged ({why}); delete the file or save the sample again", path=path
@@ -422,7 +476,9 @@ def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = 
     keep it alive.
     """
     u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
-    return Plan(header, opts).build(u8, path)
+    plan = Plan(header, opts)
+    plan.check_values(u8, path)
+    return plan.build(u8, path)
 
 
 class _ToTensors:

@@ -27,7 +27,7 @@ from typing import Any
 from .._format.file import Header, ReadOptions
 from .._options import check_option
 from ..errors import SampleTooLargeError
-from .refs import BytesRef, OneOffRef, SlotRef
+from .refs import BytesRef, OneOffRef, SlotRef, plan_key
 from .segments import ENV_DIR, ShmSegment, _human, default_shm_budget, shm_dir
 from .slots import CTRL, SlotRing, page_round
 
@@ -84,14 +84,49 @@ class Lease:
         self.view, self.info, self.path, self.opts = view, info, path, opts
 
     def commit(self, header: Header) -> Any:
+        """Check that the sample can be built from what was read (``Plan.check``), then hand out its
+        payload: nothing the file holds may fail where the payload is received. A refused sample's
+        place is given back, and its ``StorageError`` raised here, in the worker, under ``on_error``."""
+        error = _refusal(self._data(), header, self.opts, self.path)
+        if error is not None:
+            self.abort()
+            raise error
+        return self._commit(header)
+
+    def _commit(self, header: Header) -> Any:
+        raise NotImplementedError
+
+    def _data(self) -> memoryview:
+        """The bytes read (``view`` itself is released by then)."""
         raise NotImplementedError
 
     def abort(self) -> None:
         self.view.release()
 
 
+def _refusal(view: memoryview, header: Header, opts: ReadOptions, path: str) -> Exception | None:
+    """Why the sample in ``view`` cannot be built (None: it can). Returned, not raised, with no
+    traceback or context: those would keep views of ``view`` (and so the slot's mapping) alive."""
+    import numpy as np
+
+    from .._format.tree import plan_for
+    from ..errors import StorageError
+
+    size = header.data_size
+    u8 = np.frombuffer(view[:size], np.uint8) if size else np.empty(0, np.uint8)
+    try:
+        plan_for(plan_key(header, opts)).check(u8, path)
+    except StorageError as exc:
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+        return exc
+    return None
+
+
 class _EmptyLease(Lease):
-    def commit(self, header: Header) -> BytesRef:
+    def _data(self) -> memoryview:
+        return memoryview(bytearray())
+
+    def _commit(self, header: Header) -> BytesRef:
         return BytesRef(header, bytearray(), self.path, self.opts)
 
 
@@ -107,9 +142,12 @@ class _SlotLease(Lease):
         watch: bool,
     ) -> None:
         super().__init__(ring.view(slot[0], nbytes), info, path, opts)
-        self.ring, self.slot, self.watch = ring, slot, watch
+        self.ring, self.slot, self.watch, self.nbytes = ring, slot, watch, nbytes
 
-    def commit(self, header: Header) -> SlotRef:
+    def _data(self) -> memoryview:
+        return self.ring.view(self.slot[0], self.nbytes)
+
+    def _commit(self, header: Header) -> SlotRef:
         self.view.release()
         ring = self.ring
         ref = SlotRef(
@@ -136,9 +174,12 @@ class _SlotLease(Lease):
 class _SegmentLease(Lease):
     def __init__(self, segment: ShmSegment, nbytes: int, info: FillInfo, path: str, opts: ReadOptions) -> None:
         super().__init__(memoryview(segment.mm)[:nbytes], info, path, opts)
-        self.segment = segment
+        self.segment, self.nbytes = segment, nbytes
 
-    def commit(self, header: Header) -> OneOffRef:
+    def _data(self) -> memoryview:
+        return memoryview(self.segment.mm)[: self.nbytes]
+
+    def _commit(self, header: Header) -> OneOffRef:
         self.view.release()
         return OneOffRef(header, self.segment, self.path, self.opts, copy=self.info.copied)
 
@@ -278,7 +319,10 @@ class _PrivateLease(Lease):
         self.buf = mmap.mmap(-1, nbytes) if nbytes else bytearray()
         super().__init__(memoryview(self.buf), FillInfo("local", nbytes), path, opts)
 
-    def commit(self, header: Header) -> Any:
+    def _data(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def _commit(self, header: Header) -> Any:
         from .._format.tree import Plan, build
 
         self.view.release()
@@ -305,10 +349,37 @@ def _keep(buf: Any) -> None:
 
 
 class PrivateAllocator:
-    """For the consuming process itself (``num_workers=0``): private buffers, no slots."""
+    """For the consuming process itself (``num_workers=0``): private buffers, no slots.
+
+    ``budget`` bounds one sample's private memory as ``max_shm_bytes`` bounds the workers' shared
+    memory (None: no bound), so a header cannot make the trainer allocate what it declares."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
 
     def lease(self, nbytes: int, path: str, opts: ReadOptions) -> Lease:
-        return _PrivateLease(nbytes, path, opts)
+        if self.budget is not None and nbytes > self.budget:
+            raise SampleTooLargeError(
+                f"{path}: the sample needs {_human(nbytes)} of memory, more than max_shm_bytes "
+                f"({_human(self.budget)}; the default is half the size of {shm_dir()}), which bounds a "
+                "sample read without workers too. If the sample is genuine, raise max_shm_bytes; if not, "
+                "the file's header is damaged",
+                path=path,
+                needed=nbytes,
+                budget=self.budget,
+                directory=shm_dir(),
+            )
+        try:
+            return _PrivateLease(nbytes, path, opts)
+        except (MemoryError, OSError) as exc:  # within the bound, still more than this machine has
+            raise SampleTooLargeError(
+                f"{path}: the sample needs {_human(nbytes)} of memory, which this process cannot allocate "
+                f"({type(exc).__name__}); lower max_shm_bytes to refuse such samples before they are read",
+                path=path,
+                needed=nbytes,
+                budget=self.budget or 0,
+                directory=shm_dir(),
+            ) from None
 
     def find(self, uid: str) -> None:
         return None

@@ -244,7 +244,11 @@ class SlotFiller:
             _check(header, opts, s.path, lease)
             headers.append(header)
         if not exact or any(h is not layout.header for h in headers):  # inline values differ: the spec too
-            batch = plan(headers, [repr(s) for s in storages])
+            try:
+                batch = plan(headers, [repr(s) for s in storages])
+            except BaseException:
+                lease.abort()  # the arrays matched, the trees do not: the slot is not delivered
+                raise
         return lease.info, lease.commit(batch)
 
     def _stack_objects(self, samples: list, names: list[str], opts: ReadOptions) -> tuple[FillInfo, Any]:
@@ -365,8 +369,16 @@ def is_plain_file(storage: Storage) -> bool:
 class LocalFiller(SlotFiller):
     """The same work in the consuming process itself (``num_workers=0``): private buffers, no slots."""
 
-    def __init__(self, n_slots: int = 1, *, as_tensors: bool = False, device: str | None = None, **_: Any) -> None:
+    def __init__(
+        self,
+        n_slots: int = 1,
+        *,
+        as_tensors: bool = False,
+        device: str | None = None,
+        budget: int | None = None,
+        **_: Any,
+    ) -> None:
         self.as_tensors = as_tensors
         self.device = device
-        self.alloc = PrivateAllocator()
+        self.alloc = PrivateAllocator(budget)  # one sample's private memory (None: unbounded)
         self._init_reader()

@@ -207,9 +207,20 @@ class DirectorySource:
         """Rename back the claim of a trainer that died on this host (a claim whose worker is gone while
         its trainer lives is the trainer's to give back or acknowledge)."""
         ref: ClaimedName = claim.ref
+        return self._settle(os.rename, os.path.join(self.path, ref.name), os.path.join(self.path, ref.original))
+
+    def _settle(self, op: Any, path: str, *to: str) -> bool:
+        """``op(path, *to)`` (a rename or a removal) on names a writer controls: whether it was done.
+
+        Gone (another consumer settled it) is not an error; any other refusal (a target that is
+        ``.``, ``..`` or a directory, say) is the writer's doing: the name is ignored and counted,
+        never raised into the claim loop or the trainer."""
         try:
-            os.rename(os.path.join(self.path, ref.name), os.path.join(self.path, ref.original))
+            op(path, *to)
         except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._refuse(os.path.basename(path), f"it cannot be settled ({errno.errorcode.get(exc.errno, exc.errno)})")
             return False
         return True
 
@@ -231,14 +242,11 @@ class DirectorySource:
         Args:
             tokens: Tokens from ``iterate``.
         """
-        for path in tokens:
-            try:
-                if self.delete_after_load:
-                    os.remove(path)
-                else:
-                    os.rename(path, path.rsplit(CLAIM, 1)[0] + LOADED)
-            except FileNotFoundError:
-                pass  # reclaimed meanwhile as a dead process's: it will be delivered again
+        for path in tokens:  # (gone: reclaimed meanwhile as a dead process's, to be delivered again)
+            if self.delete_after_load:
+                self._settle(os.remove, path)
+            else:
+                self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + LOADED)
 
     def fail(self, tokens: list) -> None:
         """Settle claims whose files could not be loaded: keep them as ``*.failed``, never claimed again.
@@ -247,10 +255,7 @@ class DirectorySource:
             tokens: Tokens from ``iterate``.
         """
         for path in tokens:
-            try:
-                os.rename(path, path.rsplit(CLAIM, 1)[0] + FAILED)
-            except FileNotFoundError:
-                pass
+            self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + FAILED)
 
     def keep_alive(self, tokens: list) -> None:
         """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
@@ -267,10 +272,7 @@ class DirectorySource:
             tokens: Tokens from ``iterate``.
         """
         for path in tokens:
-            try:
-                os.rename(path, path.rsplit(CLAIM, 1)[0])
-            except FileNotFoundError:
-                pass
+            self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0])
 
 
 _CLAIM_TAIL = re.compile(r"(.+)-([0-9]{1,7})-([0-9]{1,7})")  # HOST (may hold dashes)-FAMILY-PID

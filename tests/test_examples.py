@@ -23,12 +23,16 @@ BATCH_SIZE = 8  # the examples' batch size
 MAIN_GUARD = 'if __name__ == "__main__":'
 
 UNGUARDED = """
+import time
+
 import torch
 from torch_storage_loader import FileStorageLoader
 
 with FileStorageLoader("samples", ttl=None, worker_num=2, mp_context="{method}") as loader:  # no main guard
     handle = loader.save({"obs": torch.zeros(4)})
-    loader.load_async(handle).result()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the first loads are read here while the workers start
+        loader.load_async(handle).result()
 """
 
 

@@ -7,7 +7,11 @@ processes needs ``if __name__ == "__main__":``), with warnings as errors like th
 first line may say what it needs: ``# tsl-docs: needs cuda`` (skipped without a GPU) or
 ``# tsl-docs: skip (why)`` (never run: hosts that are only illustrations). Blocks that read
 ``TSL_REDIS_URL`` get this suite's redis-server; blocks that read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS``
-get a fresh bucket on its SeaweedFS."""
+get a fresh bucket on its SeaweedFS. mkdocs_hooks.py strips the markers from what readers see.
+
+In Chromium at 1280x900 (a laptop screen), every page is also read as a newcomer would: no code block
+scrolls sideways, no marker shows, every guide has headings below its title and no paragraph over 150
+words, and Home shows its when-to-use headings and its comparison table without scrolling."""
 
 from __future__ import annotations
 

@@ -150,7 +150,8 @@ SCREENSHOTS = {
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop screen: what a reader sees without scrolling
 MAX_GUIDE_PARAGRAPH_WORDS = 150
 # Measured in the page: code blocks that scroll sideways (cut for a reader), the docs test's markers in
-# rendered text, a guide's headings below its title and its longest paragraphs.
+# rendered text, identifiers in a table's first column broken across lines (exception names), a guide's
+# headings below its title and its longest paragraphs.
 LAYOUT_JS = """() => {
   const article = document.querySelector("article.md-content__inner");
   const cut = [...article.querySelectorAll("pre, pre > code")]
@@ -158,8 +159,11 @@ LAYOUT_JS = """() => {
     .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split("\\n").find(l => l.length > 60) || ""}`);
   const long = [...article.querySelectorAll("p")]
     .map(p => [p.innerText.split(/\\s+/).filter(Boolean).length, p.innerText.slice(0, 80)]);
+  const broken = [...article.querySelectorAll("td:first-child > code:only-child")]
+    .filter(c => c.getClientRects().length > 1).map(c => c.innerText);
   return {
     cut,
+    broken,
     marker: /#\\s*tsl-docs:/.test(article.innerText),
     headings: article.querySelectorAll("h2, h3").length,
     long,
@@ -171,6 +175,7 @@ def _layout_problems(page, path: str) -> list[str]:
     """What a reader at 1280x900 would trip on: code cut at the right edge, test markers, walls of prose."""
     found = page.evaluate(LAYOUT_JS)
     problems = [f"/{path}: code block scrolls sideways at 1280 px ({cut})" for cut in found["cut"]]
+    problems += [f"/{path}: the table entry {name!r} breaks across lines" for name in found["broken"]]
     if found["marker"]:
         problems.append(f"/{path}: a docs-test marker (# tsl-docs: ...) shows in the rendered page")
     if path.startswith("guides/"):

@@ -7,7 +7,11 @@ processes needs ``if __name__ == "__main__":``), with warnings as errors like th
 first line may say what it needs: ``# tsl-docs: needs cuda`` (skipped without a GPU) or
 ``# tsl-docs: skip (why)`` (never run: hosts that are only illustrations). Blocks that read
 ``TSL_REDIS_URL`` get this suite's redis-server; blocks that read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS``
-get a fresh bucket on its SeaweedFS."""
+get a fresh bucket on its SeaweedFS. mkdocs_hooks.py strips the markers from what readers see.
+
+In Chromium at 1280x900 (a laptop screen), every page is also read as a newcomer would: no code block
+scrolls sideways, no marker shows, every guide has headings below its title and no paragraph over 150
+words, and Home shows its when-to-use headings and its comparison table without scrolling."""
 
 from __future__ import annotations
 
@@ -136,7 +140,67 @@ def site_url(built_site):
         thread.join(10)
 
 
-SCREENSHOTS = {"getting-started/": "getting-started.png", "reference/loaders/": "reference-loaders.png"}
+SCREENSHOTS = {
+    "": "home.png",
+    "getting-started/": "getting-started.png",
+    "guides/troubleshooting/": "troubleshooting.png",
+    "benchmarks/": "benchmarks.png",
+    "reference/loaders/": "reference-loaders.png",
+}
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop screen: what a reader sees without scrolling
+MAX_GUIDE_PARAGRAPH_WORDS = 150
+# Measured in the page: code blocks that scroll sideways (cut for a reader), the docs test's markers in
+# rendered text, identifiers in a table's first column broken across lines (exception names), a guide's
+# headings below its title and its longest paragraphs.
+LAYOUT_JS = """() => {
+  const article = document.querySelector("article.md-content__inner");
+  const cut = [...article.querySelectorAll("pre, pre > code")]
+    .filter(e => e.scrollWidth > e.clientWidth + 1)
+    .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split("\\n").find(l => l.length > 60) || ""}`);
+  const long = [...article.querySelectorAll("p")]
+    .map(p => [p.innerText.split(/\\s+/).filter(Boolean).length, p.innerText.slice(0, 80)]);
+  const broken = [...article.querySelectorAll("td:first-child > code:only-child")]
+    .filter(c => c.getClientRects().length > 1).map(c => c.innerText);
+  return {
+    cut,
+    broken,
+    marker: /#\\s*tsl-docs:/.test(article.innerText),
+    headings: article.querySelectorAll("h2, h3").length,
+    long,
+  };
+}"""
+
+
+def _layout_problems(page, path: str) -> list[str]:
+    """What a reader at 1280x900 would trip on: code cut at the right edge, test markers, walls of prose."""
+    found = page.evaluate(LAYOUT_JS)
+    problems = [f"/{path}: code block scrolls sideways at 1280 px ({cut})" for cut in found["cut"]]
+    problems += [f"/{path}: the table entry {name!r} breaks across lines" for name in found["broken"]]
+    if found["marker"]:
+        problems.append(f"/{path}: a docs-test marker (# tsl-docs: ...) shows in the rendered page")
+    if path.startswith("guides/"):
+        if found["headings"] == 0:
+            problems.append(f"/{path}: a guide with no heading below its title (empty table of contents)")
+        problems += [
+            f"/{path}: a paragraph of {n} words (> {MAX_GUIDE_PARAGRAPH_WORDS}): {text}..."
+            for n, text in found["long"]
+            if n > MAX_GUIDE_PARAGRAPH_WORDS
+        ]
+    if path == "":  # Home: why, when (and when not), and the comparison on the first screen
+        fold = page.evaluate(
+            """() => [...document.querySelectorAll("article h2, article table")]
+                 .map(e => [e.tagName, e.innerText.slice(0, 30), e.getBoundingClientRect().bottom])"""
+        )
+        fold = fold[: [tag for tag, _, _ in fold].index("TABLE") + 1] if any(t == "TABLE" for t, _, _ in fold) else fold
+        tags = [tag for tag, _, _ in fold]
+        if tags.count("TABLE") < 1 or tags.count("H2") < 2:
+            problems.append(f"/: Home should open with its when-to-use headings and a comparison table, got {fold}")
+        problems += [
+            f"/: {tag} {text!r} ends at {bottom:.0f} px, below the fold (900)"
+            for tag, text, bottom in fold
+            if bottom > VIEWPORT["height"]
+        ]
+    return problems
 
 
 def test_pages_render_in_chromium(built_site, site_url):
@@ -153,7 +217,7 @@ def test_pages_render_in_chromium(built_site, site_url):
         browser = playwright.chromium.launch(executable_path=CHROMIUM)
         try:
             for path in paths:
-                page = browser.new_page()
+                page = browser.new_page(viewport=VIEWPORT)
                 errors: list[str] = []
                 page.on(
                     "console",
@@ -177,6 +241,7 @@ def test_pages_render_in_chromium(built_site, site_url):
                 if shots and path in SCREENSHOTS:
                     os.makedirs(shots, exist_ok=True)
                     page.screenshot(path=os.path.join(shots, SCREENSHOTS[path]), full_page=False)
+                problems += _layout_problems(page, path)
                 problems += [f"/{path}: {e}" for e in errors]
                 page.close()
         finally:

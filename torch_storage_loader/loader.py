@@ -42,6 +42,7 @@ from ._workers.pool import (
     UNGUARDED_MAIN_EXIT,
     WorkerConfig,
     WorkerPool,
+    preload_torch_in_forkserver,
     refuse_start_while_bootstrapping,
 )
 from ._workers.protocol import Failed, Loaded, WorkerLost
@@ -186,6 +187,9 @@ def default_context() -> mp.context.BaseContext:
     """``forkserver`` where available (Python 3.14's default on Linux), else ``spawn``."""
     methods = mp.get_all_start_methods()
     return mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+preload_torch_in_forkserver()  # before anything in this process starts the forkserver
 
 
 # Size: about 290 lines; the dispatch state (requests, futures, retries, counts) is one lock's, see the module.
@@ -446,6 +450,7 @@ class StorageLoader(ABC):
 
     def _start_locked(self) -> None:
         """Start the receiving thread; it starts the workers, so that no caller waits for them."""
+        preload_torch_in_forkserver()
         total = self._max_shm_bytes or default_shm_budget()
         # The shared-memory directory is passed explicitly: a forkserver started earlier would
         # otherwise hand its own, older environment to the worker.

@@ -20,7 +20,13 @@ from ..errors import unpack_exception
 from .protocol import STOP, Failed, Load, Loaded, Ready, WorkerLost, loads_with_fds, recv_fds
 from .worker import run_worker
 
-__all__ = ["UNGUARDED_MAIN_EXIT", "WorkerConfig", "WorkerPool", "refuse_start_while_bootstrapping"]
+__all__ = [
+    "UNGUARDED_MAIN_EXIT",
+    "WorkerConfig",
+    "WorkerPool",
+    "preload_torch_in_forkserver",
+    "refuse_start_while_bootstrapping",
+]
 
 logger = logging.getLogger("torch_storage_loader")
 
@@ -30,6 +36,26 @@ WORKER_NAME = "tsl-loader-worker-"
 # loaders: every worker would, so none is replaced, and the parent alone tells the trainer the fix.
 UNGUARDED_MAIN_EXIT = 87
 MAIN_GUARD_FIX = 'put the code that starts loaders under `if __name__ == "__main__":`'
+
+
+def preload_torch_in_forkserver() -> None:
+    """Have the forkserver import torch before it forks anything, if it has not started yet.
+
+    A worker checks, before it sends a sample, that the trainer can build it, which imports torch
+    there (about a second). Forked from a forkserver that has torch already, a worker (and one that
+    replaces a killed worker) loads at once, as before. Modules already listed stay preloaded; a
+    forkserver that runs already is left as it is (its workers import torch at their first load).
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the process-wide server multiprocessing starts on first use
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return
+    preload = list(getattr(server, "_preload_modules", ["__main__"]))
+    if "torch" not in preload:
+        forkserver.set_forkserver_preload([*preload, "torch"])
 
 
 def refuse_start_while_bootstrapping() -> None:

@@ -896,7 +896,8 @@ def test_a_dataloader_over_hostile_data_never_hangs_nor_loses_a_good_sample(tmp_
     @fuzz_settings(max(2, SLOW_EXAMPLES // 5))
     @given(
         data=st.data(),
-        batching=st.sampled_from([(None, None), (2, None), (None, 2), (2, 2)]),  # (dataset's, DataLoader's)
+        # (dataset's, DataLoader's); both at once is refused by design (batching twice: a ValueError from iter())
+        batching=st.sampled_from([(None, None), (2, None), (None, 2)]),
         on_error=st.sampled_from(["skip", "raise"]),
     )
     def one(data, batching, on_error):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .._stores import clean as _clean
 from .._stores import objects as _objects
 
 __all__ = ["END_OF_STREAM", "end_directory_stream", "marker_path", "start_directory_stream"]
@@ -57,11 +58,4 @@ def start_directory_stream(path: str | os.PathLike) -> bool:
     Returns:
         Whether there was a marker to remove.
     """
-    marker = marker_path(path)
-    if _objects.is_url(marker):
-        return _objects.remove(marker)
-    try:
-        os.remove(marker)
-    except FileNotFoundError:
-        return False
-    return True
+    return _clean.remove(marker_path(path))

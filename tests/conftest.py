@@ -8,6 +8,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import sys
 import threading
 import time
 
@@ -228,7 +229,27 @@ def _views_into(mappings: set[str]) -> list[str]:
             )
             if len(out) >= 20:
                 return out
-    return out or ["no array, tensor, memoryview or mmap found among what gc tracks refers into it"]
+    running = _thread_frames_holding(inside, address, kinds)
+    if not out and len(running) == 1:
+        out.append("no array, tensor, memoryview or mmap found among what gc tracks refers into it")
+    return out + running
+
+
+def _thread_frames_holding(inside, address, kinds) -> list[str]:
+    """Views held by the locals of a frame that is running in some thread: such frames are not
+    objects gc tracks (Python 3.11 makes one only when asked), so the scan above cannot see them."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = [f"threads alive: {sorted(names.values())}"]
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            for name, value in frame.f_locals.items():
+                if issubclass(type(value), kinds) and (addr := address(value)) is not None and inside(addr):
+                    out.append(
+                        f"view: {type(value).__name__} {name!r} in a running frame of thread "
+                        f"{names.get(ident, ident)}: {frame.f_code.co_name}, {frame.f_code.co_filename}:{frame.f_lineno}"
+                    )
+            frame = frame.f_back
+    return out
 
 
 def _snapshot() -> dict[str, set[str]]:

@@ -457,22 +457,29 @@ class StorageDataset(IterableDataset[Any]):
         src, size = self._streaming(), self.batch_size or 1
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[Any] = []
+        # A group's tokens are reported to the trainer once, before it is loaded: until then the
+        # trainer counts them as fed to this worker, so a kill loses none of them either way.
+        reported = 0
         try:
             for token, storage in pairs:
                 group.append((token, storage))
-                if writer is not None:
-                    self._report_refusals(writer)
-                    writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
+                if writer is not None:
+                    self._report_refusals(writer)
+                    writer.took(made // per_item, [t for t, _ in group])
+                    reported = len(group)
                 item = self._load_stream(filler, group, in_worker, writer, made // per_item)
-                group = []
+                group, reported = [], 0
                 if item is not _SKIP:
                     made += 1
                     yield item
             if group and not self.drop_last:
+                if writer is not None:
+                    writer.took(made // per_item, [t for t, _ in group])
+                    reported = len(group)
                 item = self._load_stream(filler, group, in_worker, writer, made // per_item)
-                group = []
+                group, reported = [], 0
                 if item is not _SKIP:
                     yield item
         finally:
@@ -481,6 +488,8 @@ class StorageDataset(IterableDataset[Any]):
                 src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
             if writer is not None:
                 with contextlib.suppress(OSError):  # the trainer may be gone: never hide why the stream stopped
+                    if len(group) > reported:  # read, never loaded: taken for an item never sent, so they go back
+                        writer.took(made // per_item, [t for t, _ in group[reported:]])
                     self._report_refusals(writer)  # those after the last sample, or with none at all
 
     def _load_stream(

@@ -336,13 +336,13 @@ class LedgerWriter:
     def restart(self) -> None:
         self.incarnation += 1
 
-    def fed(self, chunk: int) -> Iterator[tuple[Any, Any]]:
+    def fed(self, item: int) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation, asked
-        for ``chunk`` (what one item takes) at a time."""
+        for ``item`` (what one DataLoader item takes) at a time, and at least two: so a worker holds
+        at most two items' worth (four handles), which is all that a starved stream may find
+        with a worker the trainer is not waiting on."""
         assert self.feed is not None  # a fed source's writer
-        # Two items' worth (at least four handles) per request: a round trip to the trainer per
-        # two items, and never more than two items' worth held beyond what the worker is asked for.
-        self.feed.chunk = max(4, 2 * chunk)
+        self.feed.unit = max(2, item)
         return self.feed.pairs(self.incarnation)
 
     def _need(self, n: int) -> None:

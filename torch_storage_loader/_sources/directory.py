@@ -76,7 +76,7 @@ class DirectorySource:
 
     finite = False
     keep_alive_every = None
-    ack_in_background = False
+    ack_in_background = True  # a removal per delivered sample: off the trainer's thread, in batches
     fed_from_trainer = False  # its claims are atomic: workers take themselves
 
     _for_urls: type | None = None  # the subclass for object-store prefixes (``prefix.PrefixSource``)

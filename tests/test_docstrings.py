@@ -1,6 +1,7 @@
 """The API reference is complete: every public name has a docstring that documents its parameters and
 what it returns, parses cleanly the way mkdocstrings reads it (griffe, Google style), is rendered by a
-page of docs/reference/, and its ``>>>`` examples run.
+page of docs/reference/, and its ``>>>`` examples run. And no docstring of the package names, in
+backticks, a private name (``_name``) that no longer exists.
 
 Public objects: each name of ``torch_storage_loader.__all__``, and the public methods and properties
 that a public class declares itself (inherited ones are checked on the class that declares them).
@@ -9,6 +10,7 @@ Each is one test id, e.g. ``test_docstring_is_complete[FileStorage.save]``.
 
 from __future__ import annotations
 
+import ast
 import doctest
 import logging
 import re
@@ -235,3 +237,66 @@ def test_docstring_examples_run(test_id: str, tmp_path: Path, monkeypatch: pytes
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     runner.run(test, out=failures.append)
     assert runner.failures == 0, f"{test_id}: its docstring's example fails; fix the example:\n" + "".join(failures)
+
+
+# A private name in backticks in a docstring (``_release``, `_registry`, ``_format.tree.plan_for``):
+# each ``_`` part of the dotted (or slashed) path must exist in the package's source.
+_TICKED = re.compile(r"``?([A-Za-z_][\w./]*)(?:\(\))?``?")
+# torch's own private names that docstrings name without their module (those under ``torch.`` are
+# skipped as torch's): _dataloader/hooks.py documents the torch it relies on.
+TORCH_NAMES_IN_DOCSTRINGS = {"_next_data"}
+
+
+def _docstring_nodes(tree: ast.Module) -> list[ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def _source_names(trees: dict[Path, ast.Module], package: Path) -> set[str]:
+    """Every name the package's code defines or uses: modules and packages, defs, classes, parameters,
+    variables, attributes, imports, and string values that are not docstrings (file names, ``__slots__``)."""
+    names = set()
+    for path, tree in trees.items():
+        names.add(path.stem)
+        names.update(path.relative_to(package).parts[:-1])
+        docstrings = {id(n.body[0].value) for n in _docstring_nodes(tree) if ast.get_docstring(n, clean=False)}
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, ast.arg):
+                names.add(n.arg)
+            elif isinstance(n, ast.alias):
+                names.update({n.asname or n.name, *n.name.split(".")})
+            elif isinstance(n, ast.Name):
+                names.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                names.add(n.attr)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+                names.add(n.value)
+    return names
+
+
+def test_private_names_in_docstrings_exist() -> None:
+    package = ROOT / PACKAGE
+    trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    known = _source_names(trees, package) | TORCH_NAMES_IN_DOCSTRINGS
+    stale = []
+    for path, tree in trees.items():
+        for node in _docstring_nodes(tree):
+            for mention in _TICKED.finditer(ast.get_docstring(node, clean=False) or ""):
+                parts = re.split(r"[./]", mention.group(1))
+                if parts[0] in ("torch", "torchdata"):
+                    continue
+                for part in parts:
+                    if part.startswith("_") and not part.startswith("__") and part not in known:
+                        where = f"{path.relative_to(package)}:{getattr(node, 'name', '(module)')}"
+                        stale.append(f"{where}: {mention.group(0)} names {part}, which is nowhere in the package")
+    assert not stale, "docstrings name private names that no longer exist:\n" + "\n".join(stale)
+
+
+def test_the_private_name_check_finds_a_stale_name() -> None:
+    tree = ast.parse('"""Uses ``_gone`` and ``_here``."""\n_here = "x"\n')
+    names = _source_names({ROOT / PACKAGE / "m.py": tree}, ROOT / PACKAGE)
+    assert "_here" in names and "_gone" not in names
+    assert "Uses ``_gone`` and ``_here``." not in names, "a docstring is not a name"

@@ -45,6 +45,7 @@ from torch_storage_loader import (
     StorageError,
     UnregisteredStorageTypeError,
     UntrustedStorageError,
+    _proc,
 )
 from torch_storage_loader._format import batch as _batch
 from torch_storage_loader._format import codec as _codec
@@ -54,7 +55,6 @@ from torch_storage_loader._format import trust as _trust
 from torch_storage_loader._redis import records as _records
 from torch_storage_loader._sources import directory as _directory
 from torch_storage_loader._sources import prefix as _prefix
-from torch_storage_loader._workers import proc as _proc
 
 EXAMPLES = max(10, int(os.environ.get("TSL_FUZZ_EXAMPLES", "200")))
 SLOW_EXAMPLES = max(5, EXAMPLES // 10)  # cases that go through worker processes or Redis

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from torch_storage_loader import FileStorage, StorageError, StorageQueue
-from torch_storage_loader._workers.proc import pid_alive
+from torch_storage_loader._proc import pid_alive
 
 
 def _put_many(q: StorageQueue, start: int, n: int) -> None:

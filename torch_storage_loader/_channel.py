@@ -23,7 +23,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._workers.proc import pid_alive
+from ._proc import pid_alive
 from .errors import StorageError
 
 __all__ = ["Channel"]

@@ -21,6 +21,7 @@ import warnings
 import numpy as np
 import torch
 
+from ._optional import require
 from .file_loader import FileStorageLoader
 from .queue import StorageQueue
 from .storage import FileStorage
@@ -97,7 +98,7 @@ def collect(queue, directory: str, collector: int, trajectories: int, steps: int
 
 
 def _model():
-    import lightning.pytorch as pl
+    pl = require("lightning.pytorch", "lightning", "The demo")
 
     class RewardModel(pl.LightningModule):
         """Predicts each step's reward from its stacked frames."""
@@ -138,7 +139,7 @@ class PlainFileDataset(torch.utils.data.IterableDataset):
 
 
 def _fit(datamodule, args, progress: bool) -> dict:
-    import lightning.pytorch as pl
+    pl = require("lightning.pytorch", "lightning", "The demo")
 
     from .lightning import StorageStatsCallback
 
@@ -188,7 +189,7 @@ def _queue_for(args: argparse.Namespace, workdir: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import lightning.pytorch as pl
+    pl = require("lightning.pytorch", "lightning", "The demo")
 
     from .lightning import StorageDataModule
 

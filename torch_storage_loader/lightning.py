@@ -10,17 +10,22 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._dataloader import hooks
 from ._dataloader.consumed import ConsumedStateLoader
+from ._optional import require
 from ._options import check_option
 from ._shm.slots import retire_rings
 from .dataset import StorageDataset
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torchdata.stateful_dataloader import StatefulDataLoader
+else:
+    pl = require("lightning.pytorch", "lightning", "StorageDataModule")
 
 __all__ = ["StorageDataModule", "StorageStatsCallback"]
 

@@ -9,7 +9,7 @@ This module is dispatch: requests, futures, callbacks, retries and stats. The wo
 themselves are ``_workers``' (``pool`` starts, watches and replaces them; ``protocol`` is what they
 say; ``worker`` is the loop each runs).
 
-Size: a little over 400 lines, because ``StorageLoader`` is the DI-engine API and its dispatch
+Size: about 650 lines (390 of code, 150 of docstrings), because ``StorageLoader`` is the DI-engine API and its dispatch
 (one receiving thread owning requests, futures, callbacks, retries after a worker died, and the
 counts of all of them): split, each part would reach into the other's state under its lock.
 """

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from ._channel import Channel
 from ._options import check_option
-from ._workers.proc import pid_alive
+from ._proc import pid_alive
 from .errors import (
     ProducerDiedError,  # re-exported: torch_storage_loader.queue.ProducerDiedError stays importable
 )

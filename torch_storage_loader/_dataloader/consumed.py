@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
-
+from .._optional import require
 from . import hooks
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+else:
+    StatefulDataLoader = require("torchdata.stateful_dataloader", "lightning", "StorageDataModule").StatefulDataLoader
 
 __all__ = ["ConsumedStateLoader"]
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._workers.proc import pid_alive
+from .._proc import pid_alive
 
 logger = logging.getLogger("torch_storage_loader")
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import redis
-
+from .._optional import require
 from .client import Client
 from .keys import COUNTERS, decode_id, legacy_keys, stream_keys
+
+if TYPE_CHECKING:
+    import redis
+else:
+    redis = require("redis", "redis", "RedisStorageQueue")
 
 __all__ = ["delete", "stats"]
 

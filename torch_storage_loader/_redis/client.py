@@ -15,19 +15,20 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import RedisClusterException
-from redis.retry import Retry
-
+from .._optional import require
 from .._retry import Backoff
 from ..errors import RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError
 from . import conn as _conn
 from .keys import Keys, decode_id
 from .options import Options
 from .scripts import SCRIPTS
+
+if TYPE_CHECKING:
+    import redis
+else:
+    redis = require("redis", "redis", "RedisStorageQueue")
 
 __all__ = ["Client"]
 
@@ -85,7 +86,11 @@ class Client:
             with self._lock:
                 if self._client is None:
                     o = self.options
-                    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3) if o.cluster else Retry(NoBackoff(), 0)
+                    retry = (
+                        redis.retry.Retry(redis.backoff.ExponentialBackoff(cap=0.5, base=0.05), 3)
+                        if o.cluster
+                        else redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+                    )
                     connection = _conn.connect(
                         o.url,
                         cluster=o.cluster,
@@ -129,7 +134,12 @@ class Client:
                     f"({type(exc).__name__}: {self.scrub(exc)}); check the user and password in the URL",
                     url=shown,
                 ) from None
-            except (redis.ConnectionError, redis.TimeoutError, redis.RedisError, RedisClusterException) as exc:
+            except (
+                redis.ConnectionError,
+                redis.TimeoutError,
+                redis.RedisError,
+                redis.exceptions.RedisClusterException,
+            ) as exc:
                 if isinstance(exc, redis.ResponseError) and not _conn.transient(exc):
                     self._response_error(exc, backoff)
                     continue
@@ -220,7 +230,7 @@ class Client:
             result, copies = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
             if o.cluster and (_conn.moved(exc) or not isinstance(exc, redis.ResponseError)):
-                with contextlib.suppress(redis.RedisError, RedisClusterException):
+                with contextlib.suppress(redis.RedisError, redis.exceptions.RedisClusterException):
                     self._client.exists(self.keys.meta)  # through the cluster client: it learns where the slot went
                 raise redis.ConnectionError(f"the stream's node changed ({type(exc).__name__})") from None
             raise

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import redis
+from .._optional import require
+
+if TYPE_CHECKING:
+    import redis
+else:
+    redis = require("redis", "redis", "RedisStorageQueue")
+
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")

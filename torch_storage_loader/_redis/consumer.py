@@ -13,9 +13,7 @@ import os
 import queue as _queue
 import secrets
 import time
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from .._format import limits as _limits
 from ..errors import ProducerDiedError, UntrustedStorageError
@@ -25,6 +23,9 @@ from .client import Client
 from .keys import TRAINER_SUFFIX, decode_id, family, new_name
 from .options import IDLE_POLL_S, MAX_OUTSTANDING, POLL_S, TRIM_EVERY_S
 from .producers import Producers
+
+if TYPE_CHECKING:
+    import redis  # for annotations only (.client imports it at run time)
 
 __all__ = ["Consumer", "token_list"]
 

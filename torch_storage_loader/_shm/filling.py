@@ -1,4 +1,4 @@
-"""What a loader worker does: turn Storage handles into filled leases (see ``_alloc``).
+"""What a loader worker does: turn Storage handles into filled leases (see ``alloc``).
 
 Shared by ``StorageLoader``'s processes and ``StorageDataset``'s DataLoader workers.
 """

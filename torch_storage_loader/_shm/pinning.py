@@ -1,7 +1,7 @@
 """Slots on their way to an accelerator: rings page-locked in place, and slots given back to their
 worker only once the device copies that may read them are done.
 
-This is the CPU-side logic; the device itself is an ``Accelerator`` (``_cuda.CudaAccelerator`` in a
+This is the CPU-side logic; the device itself is an ``Accelerator`` (``cuda.CudaAccelerator`` in a
 process that can use CUDA). Tests substitute one of their own (``use``), so that registration
 bookkeeping, refusals and deferred releases are exercised without a GPU.
 
@@ -53,7 +53,7 @@ class Event(Protocol):
 
 
 class Accelerator(Protocol):
-    """What the GPU path needs from a device runtime (``_cuda.CudaAccelerator`` is the real one)."""
+    """What the GPU path needs from a device runtime (``cuda.CudaAccelerator`` is the real one)."""
 
     name: str
 

@@ -39,9 +39,9 @@ def _private(nbytes: int) -> np.ndarray:
 
 def plan_key(header: Header, opts: ReadOptions) -> bytes:
     """What a reference carries instead of its header: the receiver's key for a cached build plan
-    (``_tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
+    (``_format.tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
     sent it; pickling it here keeps torch out of the workers. Workers reuse one header object per
-    layout (``_worker._Layout``), so its key is made once, not per sample."""
+    layout (``filling._Layout``), so its key is made once, not per sample."""
     hit = _plan_keys.get(id(header))
     if hit is not None and hit[0] is header and hit[1] == opts:
         return hit[2]

@@ -31,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from .._workers.proc import pid_alive
+from .._proc import pid_alive
 from ..errors import ShmTransportError
 from .segments import ShmSegment
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
-from .._workers.proc import trainer_alive
+from .._proc import trainer_alive
 from ..storage import Storage
 
 __all__ = ["Claim", "ClaimStore", "Owner", "Scan", "claim_loop"]

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 from .._format import limits as _limits
 from .._format.names import DIR_CLAIM as CLAIM
 from .._format.names import FAILED, LOADED, SUFFIX
+from .._proc import parse_pid
 from .._stores import objects as _objects
-from .._workers.proc import parse_pid
 from ..errors import StreamEndedError
 from ..storage import FileStorage, Storage
 from .claims import Claim, Owner, Scan, claim_loop

@@ -17,8 +17,8 @@ import secrets
 from .._format import limits as _limits
 from .._format.names import FAILED, LOADED, SUFFIX
 from .._format.names import OBJECT_CLAIM as CLAIM
+from .._proc import PID_MAX, parse_pid, trainer_alive
 from .._stores import objects as _objects
-from .._workers.proc import PID_MAX, parse_pid, trainer_alive
 from ..errors import StorageNotFoundError
 from ..storage import ObjectStorage, Storage
 from .claims import Claim, Owner, Scan

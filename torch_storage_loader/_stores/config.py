@@ -11,6 +11,8 @@ import os
 import threading
 from typing import Any, NamedTuple
 
+from .._optional import require
+
 __all__ = [
     "Config",
     "apply",
@@ -121,6 +123,9 @@ def config_for(url: str) -> Config:
 
 
 def filesystem(url: str):
-    import fsspec
+    import fsspec  # torch's own dependency; the S3 client is the s3 extra's
 
-    return fsspec.filesystem(protocol(url), **config_for(url).storage_options)  # cached per options and process
+    proto = protocol(url)
+    if proto in ("s3", "s3a"):
+        require("s3fs", "s3", "Object storage (s3://)")
+    return fsspec.filesystem(proto, **config_for(url).storage_options)  # cached per options and process

@@ -199,7 +199,9 @@ def _views_into(mappings: set[str]) -> list[str]:
     out, seen = [], set()
     for holder in gc.get_objects():
         # type(), not isinstance(): some objects warn when their __class__ is read (torch's reduce_op)
-        candidates = [holder] if issubclass(type(holder), torch.Tensor) else gc.get_referents(holder)
+        # (a memoryview is tracked itself: one that nothing tracked holds is a candidate on its own)
+        own = issubclass(type(holder), (torch.Tensor, memoryview))
+        candidates = [holder] if own else gc.get_referents(holder)
         # Containers that hold only untracked objects (a dict of arrays) are untracked themselves.
         for _ in range(3):
             inner = [
@@ -219,7 +221,7 @@ def _views_into(mappings: set[str]) -> list[str]:
                 continue
             seen.add(id(obj))
             holders = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list"})
-            text = "" if issubclass(type(holder), torch.Tensor) else object.__repr__(holder)
+            text = "" if own else object.__repr__(holder)
             if type(holder) is dict and isinstance(holder.get("__name__"), str):
                 text = f"(the globals of {holder['__name__']})"
             elif type(holder).__name__ == "frame":

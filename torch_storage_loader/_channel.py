@@ -1,18 +1,17 @@
-"""A channel of pickled frames between processes, held by the process that made it.
+"""A channel of frames (bytes) between processes, held by the process that made it.
 
 A ``multiprocessing.Queue`` cannot hold more than its pipe does: a writer's feeder thread writes
 what does not fit as the pipe is read, and the writer cannot exit before that. Here the owner runs
 one thread, ``tsl-queue``, that moves bytes from the writers' pipe into memory and on into the
 readers' pipe as they read: a ``send`` returns once its frame is in the owner's hands, and what was
 sent stays there as long as the owner lives. The thread copies bytes (whole frames, written under
-one lock, read whole): it never unpickles anything.
+one lock, read whole): it never looks inside them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import queue as _queue
 import select
 import struct
@@ -88,7 +87,7 @@ def _stop_relay(relay: _Relay, owner: int) -> None:
 class Channel:
     """Frames from any process to any process, held by the process that made the channel (its owner).
 
-    Writers send pickled frames into the ``inbox`` pipe under one lock; the owner's relay moves them
+    Writers send frames into the ``inbox`` pipe under one lock; the owner's relay moves them
     into the ``outbox`` pipe, which readers poll without a lock and read under another. The owner's
     ends of the pipes stay with its relay: what travels to other processes is ``inbox``'s write end
     and ``outbox``'s read end.
@@ -115,8 +114,8 @@ class Channel:
                 "handles it held with it; make the queue in a process that lives as long as the stream"
             )
 
-    def send(self, item: object) -> None:
-        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, data: bytes) -> None:
+        """Send one frame (bytes the readers take whole); returns once it is in the inbox pipe."""
         frame = memoryview(_FRAME.pack(len(data)) + data)
         fd = self.inbox.fileno()
         with self.wlock:
@@ -129,11 +128,12 @@ class Channel:
                     if not select.select([], [fd], [], 1.0)[1]:
                         self.check_owner()
 
-    def take(self, wait: float) -> Any:
-        """One handle or marker, waiting up to ``wait`` seconds for one without holding the read lock.
+    def take(self, most: int, wait: float) -> list[bytes]:
+        """Between one and ``most`` frames, waiting up to ``wait`` seconds for the first without
+        holding the read lock; the others are those already there (one lock for all of them).
 
         A consumer killed while it waits holds no lock, so the others go on; the lock is held only
-        while a frame that is already there is read.
+        while frames that are already there are read.
         """
         outbox = self.outbox
         deadline = time.monotonic() + wait
@@ -144,13 +144,17 @@ class Channel:
                 raise _queue.Empty
             # A frame is there: wait for the lock (another consumer may be reading it), briefly.
             if self.rlock.acquire(timeout=0.05):
+                out: list[bytes] = []
                 try:
-                    if outbox.poll(0):
-                        return pickle.loads(outbox.recv_bytes())
+                    while len(out) < most and outbox.poll(0):
+                        out.append(outbox.recv_bytes())
                 except EOFError:  # no process holds the outbox's write end: the owner is gone
-                    self.check_owner()
-                    raise
+                    if not out:
+                        self.check_owner()
+                        raise
                 finally:
                     self.rlock.release()
+                if out:
+                    return out
             if time.monotonic() >= deadline:
                 raise _queue.Empty

@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue as _queue
+import struct
 import time
 from collections.abc import Iterator
-from typing import Any, cast
 
 from ._channel import Channel
 from ._options import check_option
@@ -26,20 +27,10 @@ __all__ = ["ProducerDiedError", "StorageQueue"]
 MAX_PRODUCERS = 256
 
 
-class _End:
-    """End-of-stream marker: the consumer that reads it marks the queue ended for all."""
-
-
-class _Returned:
-    """A handle given back by ``pid`` (see ``StorageQueue.give_back``)."""
-
-    __slots__ = ("pid", "storage")
-
-    def __init__(self, storage: Storage, pid: int) -> None:
-        self.storage, self.pid = storage, pid
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _Returned, (self.storage, self.pid)
+# A frame is one of these bytes, then its payload: a pickled handle put by a producer; a pickled
+# handle given back (after the 8-byte pid of the process that gave it back); the end of the stream.
+_HANDLE, _RETURNED, _END = b"H", b"R", b"E"
+_PID = struct.Struct("<q")
 
 
 class StorageQueue:
@@ -114,7 +105,7 @@ class StorageQueue:
             raise TypeError(f"StorageQueue holds Storage handles, got {type(storage).__name__}")
         if self._room is not None:
             self._wait_for_room(block, timeout)
-        self._channel.send(storage)
+        self._channel.send(_HANDLE + pickle.dumps(storage, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _wait_for_room(self, block: bool, timeout: float | None) -> None:
         assert self._room is not None
@@ -136,7 +127,7 @@ class StorageQueue:
             if self._closed.value:
                 return
             self._closed.value = 1
-        self._channel.send(_End())
+        self._channel.send(_END)
 
     def give_back(self, storages: list[Storage]) -> None:
         """Put back handles taken and not used, to be taken again even after the stream ended.
@@ -146,7 +137,11 @@ class StorageQueue:
         Args:
             storages: The handles, as ``get`` returned them.
         """
-        if not storages:
+        self._give_back_pickled([pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL) for s in storages])
+
+    def _give_back_pickled(self, handles: list[bytes]) -> None:
+        """``give_back`` for handles as ``_take`` returned them (pickled)."""
+        if not handles:
             return
         pid = os.getpid()
         with self._returns.get_lock():
@@ -155,9 +150,9 @@ class StorageQueue:
             if slot is None:
                 slot = next(i for i in range(0, len(pairs), 2) if pairs[i + 1] == 0)
                 pairs[slot] = pid
-            pairs[slot + 1] += len(storages)
-        for s in storages:
-            self._channel.send(_Returned(s, pid))
+            pairs[slot + 1] += len(handles)
+        for data in handles:
+            self._channel.send(_RETURNED + _PID.pack(pid) + data)
 
     def _took_back(self, pid: int) -> None:
         with self._returns.get_lock():
@@ -192,13 +187,19 @@ class StorageQueue:
             ProducerDiedError: The queue is empty and a watched producer has died.
             StorageError: The process that made the queue has exited (the queue went with it).
         """
+        got = self._take(1, timeout)
+        return None if got is None else pickle.loads(got[0])
+
+    def _take(self, most: int, timeout: float | None) -> list[bytes] | None:
+        """Between one and ``most`` handles, pickled (what a DataLoader's trainer passes on to its
+        workers without unpickling), or None once the queue is closed and drained; raises as ``get``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
             if self._ended.value:
                 wait = min(wait, 0.02)
             try:
-                item = self._channel.take(wait)
+                frames = self._channel.take(most, wait)
             except _queue.Empty:
                 if self._ended.value:
                     if not self._returns_pending():
@@ -215,15 +216,20 @@ class StorageQueue:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 continue
-            if isinstance(item, _End):
-                self._ended.value = 1
-                continue
-            if isinstance(item, _Returned):
-                self._took_back(item.pid)
-                return item.storage
-            if self._room is not None:
-                self._room.release()
-            return cast(Storage, item)  # only Storage handles are put, besides the markers above
+            out = []
+            for frame in frames:
+                kind = frame[:1]
+                if kind == _HANDLE:
+                    if self._room is not None:
+                        self._room.release()
+                    out.append(frame[1:])
+                elif kind == _RETURNED:
+                    self._took_back(_PID.unpack_from(frame, 1)[0])
+                    out.append(frame[1 + _PID.size :])
+                elif kind == _END:
+                    self._ended.value = 1
+            if out:
+                return out
 
     def __iter__(self) -> Iterator[Storage]:
         while (item := self.get()) is not None:

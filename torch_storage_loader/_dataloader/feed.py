@@ -11,8 +11,8 @@ trainer overlaps its reading instead of stalling it, and no worker hoards what a
 It reads its pipe (``FeedReader``) and reports what it read to the ledger, one message per item. Whatever was given and not reported is still
 known to the trainer, and goes back when the iterator stops.
 
-A feed carries ``("fed", [pickled (token, handle), ...])``, ``("end", incarnation)`` (the source
-ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
+A feed carries ``("fed", [pickled handle, ...])`` (a pickled handle is its own token), ``("end",
+incarnation)`` (the source ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
 incarnation)`` (taking failed, or a handle was refused: the worker raises it, and the trainer
 receives it as the worker's; a newer incarnation skips it) and ``("stop",)`` (the iterator is
 shutting down: stop now, whatever the incarnation).
@@ -24,6 +24,7 @@ import collections
 import fcntl
 import logging
 import mmap
+import pickletools
 import queue as _queue
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._proc import pid_alive
+from ..storage import Storage
 
 logger = logging.getLogger("torch_storage_loader")
 
@@ -75,7 +77,7 @@ class Feeder:
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
         self._stopped = False
-        self._carry: tuple[Any, bytes] | None = None  # taken, for the next burst (the last did not fit it)
+        self._carry: collections.deque[bytes] = collections.deque()  # taken, for the next bursts
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
         self._thread.start()
@@ -147,9 +149,9 @@ class Feeder:
             self._send_all((ERROR, error, self._incarnation))
         finally:
             self._send_all((STOP,))
-            if self._carry is not None:
-                (token, _), self._carry = self._carry, None
-                self.source.give_back([token])
+            if self._carry:
+                self.source.give_back(list(self._carry))
+                self._carry.clear()
 
     def _step(self) -> bool:
         with self._cond:
@@ -187,43 +189,38 @@ class Feeder:
         return True
 
     def _take(self, quota: int, room: int, incarnation: int) -> tuple[list[tuple[Any, bytes]], tuple | None]:
-        """Up to ``quota`` handles that fit ``room`` bytes of a pipe, as ``(token, pickled (token,
-        handle))``: waits for the first, then takes what is there (one that does not fit waits in
-        ``_carry`` for the next burst); and the message that ends the stream, if it ended."""
+        """Up to ``quota`` handles that fit ``room`` bytes of a pipe, as ``(token, pickled handle)``
+        (the source's ``take_pickled``: a pickled handle is its own token): waits for the first,
+        then takes what is there (what does not fit waits in ``_carry`` for the next burst); and
+        the message that ends the stream, if it ended."""
         burst: list[tuple[Any, bytes]] = []
         used = 0
         limit = min(self._room_bytes) // 4  # a handle's own message: it fits any hungry feed
+        carry = self._carry
         while len(burst) < quota and not self._stopped:
-            if self._carry is not None:
-                (token, data), self._carry = self._carry, None
-            else:
+            if not carry:
                 try:
-                    got = self.source.take(0.0 if burst else TAKE_WAIT_S)
+                    got = self.source.take_pickled(quota - len(burst), 0.0 if burst else TAKE_WAIT_S)
                 except _queue.Empty:
                     break
                 except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
                     return burst, (ERROR, exc, incarnation)
                 if got is None:
                     return burst, (END, incarnation)
-                token, storage = got
-                try:
-                    data = bytes(ForkingPickler.dumps((token, storage)))
-                except Exception as exc:  # noqa: BLE001 - refused: the workers raise it in the trainer
-                    self.source.fail([token])
-                    why = f"{storage!r} does not pickle ({exc}): it cannot reach a DataLoader worker"
-                    return burst, (ERROR, TypeError(why), incarnation)
-                if len(data) + OVERHEAD > limit:
-                    self.source.fail([token])
-                    why = (
-                        f"a handle of {len(data)} bytes pickled ({type(storage).__name__}) is too large to feed a "
-                        f"DataLoader worker (at most {limit - OVERHEAD}): a handle names where a sample is; "
-                        "save the data itself"
-                    )
-                    return burst, (ERROR, TypeError(why), incarnation)
+                carry.extend(got)
+            data = carry[0]
+            if len(data) + OVERHEAD > limit:
+                carry.popleft()
+                self.source.fail([data])
+                why = (
+                    f"a handle of {len(data)} bytes pickled ({_type_name(data)}) is too large to feed a "
+                    f"DataLoader worker (at most {limit - OVERHEAD}): a handle names where a sample is; "
+                    "save the data itself"
+                )
+                return burst, (ERROR, TypeError(why), incarnation)
             if burst and _pages(used + len(data) + OVERHEAD) > room:
-                self._carry = (token, data)
                 break
-            burst.append((token, data))
+            burst.append((carry.popleft(), data))
             used += len(data) + OVERHEAD
         return burst, None
 
@@ -314,7 +311,18 @@ class FeedReader:
 
 
 def _pair(data: Any) -> tuple[Any, Any]:
-    pair = ForkingPickler.loads(data)
-    if type(pair) is not tuple or len(pair) != 2:
-        raise RuntimeError(f"the trainer's feed sent {type(pair).__name__}, not a (token, handle) pair")
-    return pair
+    """A pickled handle as the trainer fed it: ``(token, handle)``, the token being the bytes."""
+    handle = ForkingPickler.loads(data) if type(data) is bytes else None
+    if not isinstance(handle, Storage):
+        raise RuntimeError(f"the trainer's feed sent {type(handle).__name__}, not a pickled Storage handle")
+    return data, handle
+
+
+def _type_name(data: bytes) -> str:
+    """The class a pickled handle names, for an error (never unpickled: it may be anything)."""
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE") and isinstance(arg, str):
+            name = arg.split()[-1]
+            if name and name[0].isupper():
+                return name
+    return "a pickled handle"

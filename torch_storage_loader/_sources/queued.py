@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue as _queue
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from torch.utils.data import get_worker_info
@@ -58,6 +59,21 @@ class QueueSource:
             raise TypeError(f"queue yielded a {type(item).__name__}, not a Storage handle or None")
         return item, item
 
+    def take_pickled(self, most: int, timeout: float) -> list[bytes] | None:
+        """Between one and ``most`` handles, pickled: each is its own token (what the trainer feeds
+        its workers, who unpickle it; a ``StorageQueue``'s handles are never unpickled here), or None
+        once the stream ended. Raises as ``take``."""
+        q = self.queue
+        if isinstance(q, StorageQueue):
+            return q._take(most, timeout)
+        got = self.take(timeout)
+        if got is None:
+            return None
+        try:
+            return [bytes(ForkingPickler.dumps(got[1]))]
+        except Exception as exc:  # noqa: BLE001 - whatever pickling raised: the handle cannot travel
+            raise TypeError(f"{got[1]!r} does not pickle ({exc}): it cannot reach a DataLoader worker") from None
+
     def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
         if isinstance(self.queue, _queue.Queue) and get_worker_info() is not None:
             raise TypeError(
@@ -83,8 +99,13 @@ class QueueSource:
         pass
 
     def give_back(self, tokens: list) -> None:
+        """Put back handles taken and not delivered: tokens from ``take`` (handles) or from
+        ``take_pickled`` (pickled handles)."""
+        pickled = [t for t in tokens if type(t) is bytes]
+        handles = [t for t in tokens if type(t) is not bytes]
         if isinstance(self.queue, StorageQueue):
-            self.queue.give_back(tokens)
+            self.queue._give_back_pickled(pickled)
+            self.queue.give_back(handles)
             return
-        for storage in tokens:
+        for storage in [*handles, *(ForkingPickler.loads(t) for t in pickled)]:
             self.queue.put(storage)

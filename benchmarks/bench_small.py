@@ -1,0 +1,147 @@
+"""Small samples from a list, a StorageQueue and a directory, side by side in one run (issue 32).
+
+4 KB samples (a dict of two float32 arrays and an int), ``DataLoader(StorageDataset(source, ...),
+batch_size=None, num_workers=2)``: in dataset batches of 32, and one sample per DataLoader item.
+Each source is drained ``--rounds`` times, interleaved, and the best round is kept; printed as
+samples/s and as a ratio to the list source of the same run. The reference for the raw file rate
+is one process that opens, ``readinto``s and closes the same files.
+
+``--against DIR`` also runs every case with the package found in ``DIR`` (a checkout of an
+older commit, e.g. ``git worktree add /tmp/old HEAD~1``), interleaved with this one, so the two
+columns come from the same minutes of the same machine.
+
+    python benchmarks/bench_small.py [--n 6000] [--rounds 3] [--against /tmp/old]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _save(directory: str, n: int) -> list[str]:
+    import numpy as np
+
+    from torch_storage_loader import FileStorage
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = os.path.join(directory, f"{i:06d}.tsl")
+        FileStorage(path).save(
+            {"obs": np.full((4, 4, 8, 8), i % 251, np.float32), "reward": np.zeros(4, np.float32), "id": i}
+        )
+        paths.append(path)
+    return paths
+
+
+def _case(kind: str, files: str, batch: int) -> float:
+    """Samples/s draining ``files`` once through ``kind`` (list, queue or dir); in this process."""
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
+
+    paths = sorted(os.path.join(files, p) for p in os.listdir(files))
+    n = len(paths)
+    work = None
+    if kind == "list":
+        source = [FileStorage(p) for p in paths]
+    elif kind == "queue":
+        source = StorageQueue()
+        for p in paths:
+            source.put(FileStorage(p))
+        source.close()
+    else:
+        work = tempfile.mkdtemp(prefix="tsl-bench-small-")
+        source = os.path.join(work, "d")
+        shutil.copytree(files, source)
+        end_directory_stream(source)
+    options = {"batch_size": batch} if batch else {}
+    t0 = time.perf_counter()
+    got = 0
+    for item in DataLoader(StorageDataset(source, **options), batch_size=None, num_workers=2, timeout=120):
+        got += len(item["id"]) if batch else 1
+    rate = n / (time.perf_counter() - t0)
+    if work is not None:
+        shutil.rmtree(work)
+    if got != n:
+        raise SystemExit(f"{kind}: {got} samples of {n}")
+    return rate
+
+
+def _raw(files: str) -> float:
+    """Files/s for one process that opens, reads whole and closes each file."""
+    paths = sorted(os.path.join(files, p) for p in os.listdir(files))
+    buf = bytearray(1 << 16)
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf)
+    return len(paths) / (time.perf_counter() - t0)
+
+
+def _run(package_dir: str, kind: str, files: str, batch: int) -> float:
+    """One case in a fresh interpreter that imports the package from ``package_dir``."""
+    env = {**os.environ, "PYTHONPATH": package_dir}
+    code = (
+        f"import sys; sys.path.insert(0, {HERE + '/benchmarks'!r}); import bench_small as b; "
+        f"print(b._case({kind!r}, {files!r}, {batch}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=6000, help="samples (one file each)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--against", help="a checkout of another commit to measure in the same run")
+    args = ap.parse_args()
+    trees = {"this": HERE}
+    if args.against:
+        trees["against"] = os.path.abspath(args.against)
+    root = tempfile.mkdtemp(prefix="tsl-bench-small-")
+    try:
+        files = os.path.join(root, "files")
+        _save(files, args.n)
+        best: dict[tuple, float] = {}
+        raw = 0.0
+        for _ in range(args.rounds):
+            raw = max(raw, _raw(files))
+            for batch in (32, 0):
+                for kind in ("list", "queue", "dir"):
+                    for tree, where in trees.items():
+                        key = (tree, batch, kind)
+                        best[key] = max(best.get(key, 0.0), _run(where, kind, files, batch))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.n} samples of 4 KB, DataLoader(num_workers=2, batch_size=None), best of {args.rounds} rounds")
+    print(f"one process open/readinto/close of the same files: {raw:,.0f} files/s")
+    head = f"{'items':>22s} {'source':>6s}" + "".join(f" {t + ' samples/s':>20s} {t + ' vs list':>15s}" for t in trees)
+    if args.against:
+        head += f" {'this / against':>15s}"
+    print(head)
+    rows = []
+    for batch in (32, 0):
+        for kind in ("list", "queue", "dir"):
+            line = f"{'dataset batches of 32' if batch else 'one sample per item':>22s} {kind:>6s}"
+            for tree in trees:
+                rate = best[(tree, batch, kind)]
+                line += f" {rate:20,.0f} {rate / best[(tree, batch, 'list')]:15.2f}"
+            if args.against:
+                line += f" {best[('this', batch, kind)] / best[('against', batch, kind)]:15.2f}"
+            print(line)
+            rows.append({"batch": batch, "source": kind, **{t: best[(t, batch, kind)] for t in trees}})
+    print(json.dumps({"raw_files_per_s": raw, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

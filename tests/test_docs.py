@@ -19,6 +19,7 @@ words, and Home shows its when-to-use headings and its comparison table without 
 from __future__ import annotations
 
 import functools
+import html.parser
 import http.server
 import json
 import os
@@ -126,6 +127,46 @@ def test_site_builds_strictly(built_site):
     assert "torch_storage_loader.FileStorageLoader" in reference  # mkdocstrings rendered the public name
     for figure in (ROOT / "benchmarks/figures").glob("*.png"):  # the scripts' plots, published as they are
         assert (built_site / "figures" / figure.name).read_bytes() == figure.read_bytes()
+
+
+class _ApiEntries(html.parser.HTMLParser):
+    """The API entries (mkdocstrings' ``div.doc-object``) of a page, each with whether it shows its source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[list] = []  # [id, has source]
+        self._open: list[tuple[int, list]] = []  # (div depth, entry) of the entries open here
+        self._depth = 0
+
+    def handle_starttag(self, tag, attrs) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "div":
+            self._depth += 1
+            if "doc-object" in classes:
+                self.entries.append(entry := [None, False])
+                self._open.append((self._depth, entry))
+        elif self._open and "doc-heading" in classes and self._open[-1][1][0] is None:
+            self._open[-1][1][0] = dict(attrs).get("id")
+        elif tag == "details" and "mkdocstrings-source" in classes and self._open:
+            self._open[-1][1][1] = True  # a class's source comes after its members: theirs are closed
+
+    def handle_endtag(self, tag) -> None:
+        if tag == "div":
+            if self._open and self._open[-1][0] == self._depth:
+                self._open.pop()
+            self._depth -= 1
+
+
+def test_every_api_entry_shows_its_source(built_site):
+    """Each class, function and property of the API reference ends with its source (folded)."""
+    missing, count = [], 0
+    for page in sorted((built_site / "reference").rglob("index.html")):
+        parser = _ApiEntries()
+        parser.feed(page.read_text())
+        count += len(parser.entries)
+        missing += [f"{page.parent.name}: {name}" for name, has_source in parser.entries if not has_source]
+    assert count >= 100, count  # every page's entries were found
+    assert not missing, f"API entries without their source: {missing}"
 
 
 @pytest.mark.parametrize(

@@ -129,6 +129,20 @@ def test_site_builds_strictly(built_site):
         assert (built_site / "figures" / figure.name).read_bytes() == figure.read_bytes()
 
 
+def test_headline_plot_is_drawn_from_the_measured_table():
+    """benchmarks/plot_headline.py reads the benchmarks page's table; the page embeds what it draws."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_headline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    figures = plot_headline.headline(page)
+    assert figures["throughput"]["7.2 MB samples"] > 1 and figures["trainer"]["StorageDataset"] > 0
+    assert "](figures/headline.png)" in page and "python benchmarks/plot_headline.py" in page
+    assert (ROOT / "benchmarks/figures/headline.png").exists()
+
+
 class _ApiEntries(html.parser.HTMLParser):
     """The API entries (mkdocstrings' ``div.doc-object``) of a page, each with whether it shows its source."""
 

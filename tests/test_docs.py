@@ -3,7 +3,10 @@ docs/ runs, and every built page renders in a headless Chromium without a consol
 
 Examples run as a user runs what they copy: a page's blocks in order, saved as ``example.py`` in a
 temporary directory and started with ``python example.py`` (so a page whose code starts worker
-processes needs ``if __name__ == "__main__":``), with warnings as errors like this suite. A block's
+processes needs ``if __name__ == "__main__":``), with warnings as errors like this suite. Every guide
+ends with a section ``## A complete example`` holding one script a reader pastes into a file: it runs
+on its own, apart from the page's other blocks (a guide whose last section shows the ``examples/``
+scripts, run by tests/test_examples.py, needs none). A block's
 first line may say what it needs: ``# tsl-docs: needs cuda`` (skipped without a GPU) or
 ``# tsl-docs: skip (why)`` (never run: hosts that are only illustrations). Blocks that read
 ``TSL_REDIS_URL`` get this suite's redis-server; blocks that read ``TSL_S3_BUCKET``/``TSL_S3_OPTIONS``
@@ -16,6 +19,7 @@ words, and Home shows its when-to-use headings and its comparison table without 
 from __future__ import annotations
 
 import functools
+import html.parser
 import http.server
 import json
 import os
@@ -45,8 +49,39 @@ STARTS_WORKERS = re.compile(r"\b(FileStorageLoader|DataLoader|Trainer|Process)\(
 MAIN_GUARD = 'if __name__ == "__main__":'
 
 
+COMPLETE_EXAMPLE = "## A complete example"
+GUIDES = sorted((ROOT / "docs/guides").glob("*.md"))
+
+
 def python_blocks(page: Path) -> list[str]:
     return FENCE.findall(page.read_text())
+
+
+def complete_example(page: Path) -> str | None:
+    """The script of the page's ``## A complete example`` section, or None."""
+    _, heading, section = page.read_text().partition(f"\n{COMPLETE_EXAMPLE}\n")
+    blocks = FENCE.findall(section) if heading else []
+    return blocks[0] if blocks else None
+
+
+def _scripts(page: Path) -> list[tuple[str, list[str]]]:
+    """What runs of a page, each as a user would run it: its blocks in order (the complete example apart)."""
+    blocks, complete = python_blocks(page), complete_example(page)
+    rest = [b for b in blocks if b != complete]
+    return [(kind, parts) for kind, parts in (("blocks", rest), ("complete", [complete] if complete else [])) if parts]
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.name)
+def test_every_guide_ends_with_a_complete_example(guide):
+    text = guide.read_text()
+    last_section = text.rpartition("\n## ")[2]
+    if re.search(r'^--8<-- "examples/\w+\.py"$', last_section, re.M):
+        return  # it ends with the examples/ scripts themselves (tests/test_examples.py runs them)
+    assert last_section.startswith(COMPLETE_EXAMPLE[3:] + "\n"), f"{guide.name} ends with '## {last_section[:60]}'"
+    blocks = FENCE.findall(last_section)
+    assert len(blocks) == 1, f"{guide.name}: its complete example should be one python block, found {len(blocks)}"
+    if STARTS_WORKERS.search(blocks[0]):
+        assert MAIN_GUARD in blocks[0], f"{guide.name}: its complete example starts processes without `{MAIN_GUARD}`"
 
 
 def _marker(block: str) -> str | None:
@@ -94,9 +129,70 @@ def test_site_builds_strictly(built_site):
         assert (built_site / "figures" / figure.name).read_bytes() == figure.read_bytes()
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_examples_run(page, request, tmp_path):
-    blocks = python_blocks(page)
+def test_headline_plot_is_drawn_from_the_measured_table():
+    """benchmarks/plot_headline.py reads the benchmarks page's table; the page embeds what it draws."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_headline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    figures = plot_headline.headline(page)
+    assert figures["throughput"]["7.2 MB samples"] > 1 and figures["trainer"]["StorageDataset"] > 0
+    assert "](figures/headline.png)" in page and "python benchmarks/plot_headline.py" in page
+    assert (ROOT / "benchmarks/figures/headline.png").exists()
+
+
+class _ApiEntries(html.parser.HTMLParser):
+    """The API entries (mkdocstrings' ``div.doc-object``) of a page, each with whether it shows its source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[list] = []  # [id, has source]
+        self._open: list[tuple[int, list]] = []  # (div depth, entry) of the entries open here
+        self._depth = 0
+
+    def handle_starttag(self, tag, attrs) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "div":
+            self._depth += 1
+            if "doc-object" in classes:
+                self.entries.append(entry := [None, False])
+                self._open.append((self._depth, entry))
+        elif self._open and "doc-heading" in classes and self._open[-1][1][0] is None:
+            self._open[-1][1][0] = dict(attrs).get("id")
+        elif tag == "details" and "mkdocstrings-source" in classes and self._open:
+            self._open[-1][1][1] = True  # a class's source comes after its members: theirs are closed
+
+    def handle_endtag(self, tag) -> None:
+        if tag == "div":
+            if self._open and self._open[-1][0] == self._depth:
+                self._open.pop()
+            self._depth -= 1
+
+
+def test_every_api_entry_shows_its_source(built_site):
+    """Each class, function and property of the API reference ends with its source (folded)."""
+    missing, count = [], 0
+    for page in sorted((built_site / "reference").rglob("index.html")):
+        parser = _ApiEntries()
+        parser.feed(page.read_text())
+        count += len(parser.entries)
+        missing += [f"{page.parent.name}: {name}" for name, has_source in parser.entries if not has_source]
+    assert count >= 100, count  # every page's entries were found
+    assert not missing, f"API entries without their source: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("page", "kind"),
+    [
+        pytest.param(page, kind, id=f"{page.relative_to(ROOT).as_posix()}-{kind}")
+        for page in PAGES
+        for kind, _ in _scripts(page)
+    ],
+)
+def test_examples_run(page, kind, request, tmp_path):
+    blocks = dict(_scripts(page))[kind]
     markers = [_marker(b) for b in blocks]
     if any(m == "needs cuda" for m in markers) and not torch.cuda.is_available():
         pytest.skip("an example of this page needs a CUDA device and none is present")

@@ -43,8 +43,9 @@ def _save(directory: str, n: int) -> list[str]:
     return paths
 
 
-def _case(kind: str, files: str, batch: int) -> float:
-    """Samples/s draining ``files`` once through ``kind`` (list, queue or dir); in this process."""
+def _case(kind: str, files: str, batch: int) -> tuple[float, float]:
+    """Samples/s draining ``files`` once through ``kind`` (list, queue or dir), in this process, and
+    the CPU time all processes spent per sample (microseconds: the trainer and its workers)."""
     from torch.utils.data import DataLoader
 
     from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
@@ -65,16 +66,18 @@ def _case(kind: str, files: str, batch: int) -> float:
         shutil.copytree(files, source)
         end_directory_stream(source)
     options = {"batch_size": batch} if batch else {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), os.times()
     got = 0
     for item in DataLoader(StorageDataset(source, **options), batch_size=None, num_workers=2, timeout=120):
         got += len(item["id"]) if batch else 1
     rate = n / (time.perf_counter() - t0)
+    c1 = os.times()  # the workers were joined: their time is the children's
+    cpu = sum(c1[:4]) - sum(c0[:4])
     if work is not None:
         shutil.rmtree(work)
     if got != n:
         raise SystemExit(f"{kind}: {got} samples of {n}")
-    return rate
+    return rate, cpu / n * 1e6
 
 
 def _raw(files: str) -> float:
@@ -88,7 +91,7 @@ def _raw(files: str) -> float:
     return len(paths) / (time.perf_counter() - t0)
 
 
-def _run(package_dir: str, kind: str, files: str, batch: int) -> float:
+def _run(package_dir: str, kind: str, files: str, batch: int) -> tuple[float, float]:
     """One case in a fresh interpreter that imports the package from ``package_dir``."""
     env = {**os.environ, "PYTHONPATH": package_dir}
     code = (
@@ -96,7 +99,8 @@ def _run(package_dir: str, kind: str, files: str, batch: int) -> float:
         f"print(b._case({kind!r}, {files!r}, {batch}))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    rate, cpu = out.stdout.strip().splitlines()[-1].strip("()").split(",")
+    return float(rate), float(cpu)
 
 
 def main() -> None:
@@ -112,7 +116,8 @@ def main() -> None:
     try:
         files = os.path.join(root, "files")
         _save(files, args.n)
-        best: dict[tuple, float] = {}
+        best: dict[tuple, float] = {}  # the best rate of the rounds
+        cpu: dict[tuple, float] = {}  # the least CPU per sample of the rounds
         raw = 0.0
         for _ in range(args.rounds):
             raw = max(raw, _raw(files))
@@ -120,14 +125,19 @@ def main() -> None:
                 for kind in ("list", "queue", "dir"):
                     for tree, where in trees.items():
                         key = (tree, batch, kind)
-                        best[key] = max(best.get(key, 0.0), _run(where, kind, files, batch))
+                        rate, us = _run(where, kind, files, batch)
+                        best[key] = max(best.get(key, 0.0), rate)
+                        cpu[key] = min(cpu.get(key, float("inf")), us)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.n} samples of 4 KB, DataLoader(num_workers=2, batch_size=None), best of {args.rounds} rounds")
     print(f"one process open/readinto/close of the same files: {raw:,.0f} files/s")
-    head = f"{'items':>22s} {'source':>6s}" + "".join(f" {t + ' samples/s':>20s} {t + ' vs list':>15s}" for t in trees)
+    print("samples/s, its ratio to the list source, and the CPU all processes spent per sample (us)")
+    head = f"{'items':>22s} {'source':>6s}"
+    for t in trees:
+        head += f" {t + ' samples/s':>18s} {'vs list':>8s} {'us CPU':>7s}"
     if args.against:
-        head += f" {'this / against':>15s}"
+        head += f" {'rate this/against':>18s} {'CPU this/against':>17s}"
     print(head)
     rows = []
     for batch in (32, 0):
@@ -135,11 +145,18 @@ def main() -> None:
             line = f"{'dataset batches of 32' if batch else 'one sample per item':>22s} {kind:>6s}"
             for tree in trees:
                 rate = best[(tree, batch, kind)]
-                line += f" {rate:20,.0f} {rate / best[(tree, batch, 'list')]:15.2f}"
+                line += f" {rate:18,.0f} {rate / best[(tree, batch, 'list')]:8.2f} {cpu[(tree, batch, kind)]:7.0f}"
             if args.against:
-                line += f" {best[('this', batch, kind)] / best[('against', batch, kind)]:15.2f}"
+                this, other = ("this", batch, kind), ("against", batch, kind)
+                line += f" {best[this] / best[other]:18.2f} {cpu[this] / cpu[other]:17.2f}"
             print(line)
-            rows.append({"batch": batch, "source": kind, **{t: best[(t, batch, kind)] for t in trees}})
+            rows.append(
+                {
+                    "batch": batch,
+                    "source": kind,
+                    **{t: {"samples_per_s": best[(t, batch, kind)], "cpu_us": cpu[(t, batch, kind)]} for t in trees},
+                }
+            )
     print(json.dumps({"raw_files_per_s": raw, "rows": rows}))
 
 

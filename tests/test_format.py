@@ -139,3 +139,29 @@ def test_fuzz_damaged_files_raise_only_corrupt_errors(tmp_path_factory, data):
         FileStorage(path).load()
     except StorageCorruptError as exc:
         assert str(path) in str(exc)
+
+
+def test_samples_that_differ_only_in_inline_values_share_one_plan(tmp_path):
+    """An episode id or a float reward kept inline makes every header unique; the receiver still
+    decodes and checks one plan for all of them (``_format.tree.split``), and each sample, single
+    or stacked, gets its own values back (ints past int64 stay Python ints in a batch)."""
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+    from torch_storage_loader._format import tree as _tree
+
+    handles = []
+    for i in range(24):
+        handles.append(FileStorage(tmp_path / f"{i}.tsl"))
+        big = 10**20 if i == 23 else i
+        handles[-1].save({"x": np.full(3, i, np.float32), "id": i, "r": i / 4, "ok": i % 2 == 0, "big": big})
+    _tree._plans.clear()
+    singles = list(DataLoader(StorageDataset(handles[:8]), batch_size=None, num_workers=0))
+    assert len(_tree._plans) == 1
+    assert [(s["id"], s["r"], s["ok"]) for s in singles] == [(i, i / 4, i % 2 == 0) for i in range(8)]
+    assert all(s["x"].tolist() == [float(s["id"])] * 3 for s in singles)
+    batches = list(DataLoader(StorageDataset(handles, batch_size=8), batch_size=None, num_workers=1))
+    assert [b["id"].tolist() for b in batches] == [list(range(k, k + 8)) for k in (0, 8, 16)]
+    assert batches[1]["r"].tolist() == [i / 4 for i in range(8, 16)]
+    assert batches[0]["ok"].dtype == torch.bool and batches[0]["big"].tolist() == list(range(8))
+    assert batches[2]["big"] == [*range(16, 23), 10**20]  # past int64: a list, never an error

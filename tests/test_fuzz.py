@@ -368,16 +368,20 @@ def _checked(raw: bytes, name: str = "fuzz.tsl"):
 @fuzz_settings()
 @given(raw=hostile_files(), as_tensors=st.booleans())
 def test_any_bytes_give_a_sample_or_a_corrupt_error(raw, as_tensors):
-    """Refused where the worker reads (before any slot), or built where the sample arrives: never
-    refused there (past a DataLoader worker's on_error)."""
+    """Refused where the worker reads (before any slot) or checks what it read (before it sends a
+    reference), or built where the sample arrives: never refused there (past a DataLoader worker's
+    on_error)."""
     _ran["file bytes, in process"] += 1
     start = time.monotonic()
+    opts = _format.ReadOptions(as_tensors=as_tensors)
     try:
         header = _checked(raw)
+        data = np.frombuffer(bytearray(raw[header.data_offset :]), np.uint8)
+        _tree.Plan(header, opts).check(data, "fuzz.tsl")  # the worker's check (_shm.alloc._refusal)
     except StorageError as exc:
         assert "fuzz.tsl" in str(exc)
     else:
-        _tree.build(header, bytearray(raw[header.data_offset :]), _format.ReadOptions(as_tensors=as_tensors))
+        _tree.build(header, bytearray(raw[header.data_offset :]), opts)
     assert time.monotonic() - start < BOUND_S
 
 

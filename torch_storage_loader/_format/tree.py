@@ -27,7 +27,7 @@ from .spec import spec_key
 
 _LITTLE = np.little_endian
 
-__all__ = ["Leaf", "Plan", "build", "encode", "format_path", "plan_for", "to_tensors"]
+__all__ = ["Leaf", "Plan", "build", "encode", "format_path", "plan_for", "plan_key", "split", "to_tensors"]
 
 # numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
 _NUMPY_KINDS = frozenset("biufcmMUS")
@@ -232,7 +232,7 @@ _TORCH_AS_NUMPY = {
 
 # Leaf recipes (codes) and tree node codes of a Plan.
 _L_TENSOR, _L_ARRAY, _L_TORCH, _L_TORCH_EMPTY, _L_SCALAR, _L_BYTES, _L_BYTEARRAY, _L_PICKLE = range(8)
-_N_DICT, _N_DICT_OF_LEAVES, _N_LIST, _N_TUPLE, _N_CONST, _N_VALUES, _N_ODICT, _N_TREE = range(8)
+_N_DICT, _N_DICT_OF_LEAVES, _N_LIST, _N_TUPLE, _N_CONST, _N_VALUES, _N_ODICT, _N_TREE, _N_SLOT = range(9)
 
 
 class Plan:
@@ -242,7 +242,7 @@ class Plan:
     for decoding the header's spec once; ``build`` then makes one view per leaf and the tree.
     """
 
-    __slots__ = ("built", "error", "header", "leaves", "opts", "tree", "values")
+    __slots__ = ("base", "built", "consts", "error", "header", "leaves", "opts", "tree", "values")
 
     def __init__(self, header: Header, opts: ReadOptions = DEFAULT_READ) -> None:
         self.header, self.opts = header, opts
@@ -251,6 +251,8 @@ class Plan:
         self.error: str | None = None
         self.built = False  # whether check() built a sample of this plan (its structure holds)
         self.values: list[tuple] = []  # (start, end, dtype) of leaves whose bytes may be no value
+        self.consts: tuple = ()  # the inline scalars of ``split`` (their spec nodes), for ``bind``
+        self.base: Plan | None = None  # the plan this one binds values to (which keeps ``built``)
         try:
             self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
             self.tree = self._node(header.spec)
@@ -300,6 +302,11 @@ class Plan:
             return (_N_LIST if tag == "l" else _N_TUPLE), tuple(self._node(v) for v in node[1])
         if tag == "n":
             return _N_CONST, None
+        if tag == "x":  # an inline scalar ``split`` took out: the sample's own, given to ``bind``
+            i = node[1]
+            if type(i) is not int or i < 0:
+                raise IndexError("inline value out of range")
+            return _N_SLOT, i
         if tag in ("b", "i", "s"):
             return _N_CONST, node[1]
         if tag == "f":
@@ -336,9 +343,21 @@ class Plan:
         assume so) and str (code points up to U+10FFFF). Pickled leaves are unpickled where used.
         """
         self.check_values(u8, path)
-        if not self.built:
+        base = self.base or self
+        if not base.built:
             self.build(u8, path, probe=True)
-            self.built = True
+            base.built = True
+
+    def bind(self, consts: tuple) -> Plan:
+        """This plan for a sample whose inline scalars (``split``'s values) are ``consts``: a copy
+        that shares everything else, so samples that differ only in such values share one plan."""
+        if not consts:
+            return self
+        bound = Plan.__new__(Plan)
+        for name in Plan.__slots__:
+            setattr(bound, name, getattr(self, name))
+        bound.consts, bound.base = consts, self
+        return bound
 
     def check_values(self, u8: np.ndarray, path: str = "") -> None:
         """``check``'s per-sample part: the bytes of bool and str leaves are values of their dtype."""
@@ -375,7 +394,8 @@ class Plan:
                 return leaves[tree]
             if tree[0] == _N_DICT_OF_LEAVES:
                 return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
-            return self._walk(tree, leaves)
+            consts = [_const(v) for v in self.consts]
+            return self._walk(tree, leaves, consts)
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
@@ -402,29 +422,34 @@ class Plan:
             )
         return pickle.loads(raw.data)
 
-    def _walk(self, node: Any, leaves: list) -> Any:
+    def _walk(self, node: Any, leaves: list, consts: list) -> Any:
         if type(node) is int:
             return leaves[node]
         code = node[0]
         if code == _N_DICT_OF_LEAVES:
             return {k: leaves[i] for k, i in zip(node[1], node[2])}
         if code == _N_DICT:
-            return {k: self._walk(v, leaves) for k, v in zip(node[1], node[2])}
+            return {k: self._walk(v, leaves, consts) for k, v in zip(node[1], node[2])}
         if code == _N_LIST:
-            return [self._walk(v, leaves) for v in node[1]]
+            return [self._walk(v, leaves, consts) for v in node[1]]
         if code == _N_TUPLE:
-            return tuple(self._walk(v, leaves) for v in node[1])
+            return tuple(self._walk(v, leaves, consts) for v in node[1])
         if code == _N_CONST:
             return node[1]
+        if code == _N_SLOT:
+            return consts[node[1]]
         if code == _N_VALUES:
-            values = [self._walk(v, leaves) for v in node[1]]
+            values = [self._walk(v, leaves, consts) for v in node[1]]
             kinds = {type(v) for v in values}
             if self.opts.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
-                return torch.tensor(values)
+                # Checked once per plan, built for every batch: values that never fail to build.
+                # Ints past int64 (headers allow up to 10**30) stay a list of ints.
+                if int not in kinds or all(-(1 << 63) <= v < 1 << 63 for v in values):
+                    return torch.tensor(values)
             return values
         if code == _N_ODICT:
-            return collections.OrderedDict((k, self._walk(v, leaves)) for k, v in zip(node[1], node[2]))
-        return node[1]({k: self._walk(v, leaves) for k, v in zip(node[2], node[3])})
+            return collections.OrderedDict((k, self._walk(v, leaves, consts)) for k, v in zip(node[1], node[2]))
+        return node[1]({k: self._walk(v, leaves, consts) for k, v in zip(node[2], node[3])})
 
 
 def _bad_values(path: str, why: str) -> StorageCorruptError:
@@ -439,6 +464,45 @@ def _damaged(path: str, why: str) -> StorageCorruptError:
     return StorageCorruptError(
         f"{path}: tree in header is damaged ({why}); delete the file or save the sample again", path=path
     )
+
+
+_INLINE = ("b", "i", "s", "f", "c")  # the scalar tags ``split`` takes out (None is structure)
+
+
+def split(spec: list) -> tuple[list, tuple]:
+    """``spec`` with its inline scalars replaced by ``["x", i]``, and those scalars' nodes in order.
+
+    Samples that differ only in such values (an episode id, a reward kept as a float) then share
+    one skeleton, and so one cached plan (``plan_for``, ``Plan.bind``): without this, each sample
+    of a stream of unique ids cost a plan decoded and checked in the worker and again in the trainer.
+    """
+    values: list = []
+
+    def walk(node: list) -> list:
+        tag = node[0]
+        if tag in _INLINE:
+            values.append(node)
+            return ["x", len(values) - 1]
+        if tag in ("d", "od", "tt", "tn"):
+            return [tag, node[1], [walk(c) for c in node[2]]]
+        if tag in ("l", "t", "v"):
+            return [tag, [walk(c) for c in node[1]]]
+        return node  # an array leaf, None, or a tag the plan reports as damaged
+
+    skeleton = walk(spec)
+    return skeleton, tuple(values)
+
+
+def _const(node: list) -> Any:
+    """The value of an inline scalar's spec node (``split``)."""
+    tag = node[0]
+    if tag == "f":
+        return float.fromhex(node[1])
+    if tag == "c":
+        return complex(float.fromhex(node[1]), float.fromhex(node[2]))
+    if tag in ("b", "i", "s"):
+        return node[1]
+    raise ValueError("unknown inline value tag")
 
 
 _plans: dict[bytes, Plan] = {}
@@ -470,6 +534,29 @@ def plan_for(key: bytes) -> Plan:
     return plan
 
 
+def plan_key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
+    """What a reference carries instead of its header: the receiver's key for a cached build plan
+    (``plan_for``) and the sample's inline scalars (``split``), which the
+    key leaves out so that samples differing only in them share one plan. The key is plain bytes,
+    so that nothing depends on which worker, ring or process sent it; pickling it here keeps torch
+    out of the workers. Workers reuse one header object per layout (``filling._Layout``), so its
+    key is made once, not per sample."""
+    hit = _plan_keys.get(id(header))
+    if hit is not None and hit[0] is header and hit[1] == opts:
+        return hit[2], hit[3]
+    skeleton, consts = split(header.spec)
+    bare = Header(skeleton, header.arrays, header.data_offset, header.data_size)
+    key = pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(_plan_keys) >= _MAX_PLAN_KEYS:
+        _plan_keys.clear()
+    _plan_keys[id(header)] = (header, opts, key, consts)  # the header is kept: its id stays its own
+    return key, consts
+
+
+_plan_keys: dict[int, tuple[Header, ReadOptions, bytes, tuple]] = {}
+_MAX_PLAN_KEYS = 64
+
+
 def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = "") -> Any:
     """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
 
@@ -477,7 +564,8 @@ def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = 
     keep it alive.
     """
     u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
-    plan = Plan(header, opts)
+    key, consts = plan_key(header, opts)
+    plan = plan_for(key).bind(consts)
     plan.check_values(u8, path)
     return plan.build(u8, path)
 

@@ -115,7 +115,8 @@ def _refusal(view: memoryview, header: Header, opts: ReadOptions, path: str) -> 
     size = header.data_size
     u8 = np.frombuffer(view[:size], np.uint8) if size else np.empty(0, np.uint8)
     try:
-        plan_for(plan_key(header, opts)).check(u8, path)
+        key, consts = plan_key(header, opts)
+        plan_for(key).bind(consts).check(u8, path)
     except StorageError as exc:
         exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         return exc

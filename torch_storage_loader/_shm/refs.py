@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -37,23 +36,11 @@ def _private(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
-def plan_key(header: Header, opts: ReadOptions) -> bytes:
-    """What a reference carries instead of its header: the receiver's key for a cached build plan
-    (``_format.tree.plan_for``). Plain bytes, so that nothing depends on which worker, ring or process
-    sent it; pickling it here keeps torch out of the workers. Workers reuse one header object per
-    layout (``filling._Layout``), so its key is made once, not per sample."""
-    hit = _plan_keys.get(id(header))
-    if hit is not None and hit[0] is header and hit[1] == opts:
-        return hit[2]
-    key = pickle.dumps((header, opts), protocol=pickle.HIGHEST_PROTOCOL)
-    if len(_plan_keys) >= _MAX_PLAN_KEYS:
-        _plan_keys.clear()
-    _plan_keys[id(header)] = (header, opts, key)  # the header is kept: its id stays its own
-    return key
+def plan_key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
+    """``_format.tree.plan_key``: what a reference carries instead of its header."""
+    from .._format.tree import plan_key as key_of
 
-
-_plan_keys: dict[int, tuple[Header, ReadOptions, bytes]] = {}
-_MAX_PLAN_KEYS = 64
+    return key_of(header, opts)
 
 
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
@@ -127,7 +114,7 @@ class SlotRef:
             self.slot,
             self.generation,
             self.slot_size,
-            plan_key(self.header, self.opts),
+            *plan_key(self.header, self.opts),
             self.path,
             self.segment,
             os.getpid(),
@@ -142,6 +129,7 @@ def _receive_slot(
     generation: int,
     slot_size: int,
     key: bytes,
+    consts: tuple,
     path: str,
     segment: ShmSegment | None,
     pid: int,
@@ -150,7 +138,7 @@ def _receive_slot(
 ) -> Any:
     from .._format.tree import plan_for
 
-    plan = plan_for(key)
+    plan = plan_for(key).bind(consts)
     size = plan.header.data_size
     device = plan.opts.device
     reg = _registry
@@ -205,13 +193,13 @@ class BytesRef:
     opts: ReadOptions
 
     def __reduce__(self):
-        return _receive_bytes, (plan_key(self.header, self.opts), self.data, self.path)
+        return _receive_bytes, (*plan_key(self.header, self.opts), self.data, self.path)
 
 
-def _receive_bytes(key: bytes, data: bytearray, path: str) -> Any:
+def _receive_bytes(key: bytes, consts: tuple, data: bytearray, path: str) -> Any:
     from .._format.tree import plan_for
 
-    plan = plan_for(key)
+    plan = plan_for(key).bind(consts)
     if plan.opts.device is not None:
         from .device import deliver
 
@@ -239,13 +227,13 @@ class OneOffRef:
     copy: bool = False
 
     def __reduce__(self):
-        return _receive_oneoff, (plan_key(self.header, self.opts), self.segment, self.path, self.copy)
+        return _receive_oneoff, (*plan_key(self.header, self.opts), self.segment, self.path, self.copy)
 
 
-def _receive_oneoff(key: bytes, segment: ShmSegment, path: str, copy: bool = False) -> Any:
+def _receive_oneoff(key: bytes, consts: tuple, segment: ShmSegment, path: str, copy: bool = False) -> Any:
     from .._format.tree import plan_for
 
-    plan = plan_for(key)
+    plan = plan_for(key).bind(consts)
     size = plan.header.data_size
     if plan.opts.device is not None:
         from .device import deliver

@@ -320,9 +320,12 @@ def _pair(data: Any) -> tuple[Any, Any]:
 
 def _type_name(data: bytes) -> str:
     """The class a pickled handle names, for an error (never unpickled: it may be anything)."""
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE") and isinstance(arg, str):
-            name = arg.split()[-1]
-            if name and name[0].isupper():
-                return name
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "SHORT_BINUNICODE", "BINUNICODE") and isinstance(arg, str) and arg:
+                name = arg.split()[-1]
+                if name and name[0].isupper():
+                    return name
+    except Exception:  # noqa: BLE001 - only a name for a message: bytes that do not parse have none
+        pass
     return "a pickled handle"

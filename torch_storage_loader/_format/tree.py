@@ -389,13 +389,7 @@ class Plan:
                     add(None)
                 else:
                     add(self._other_leaf(u8, code, start, end, a, shape, path))
-            tree = self.tree
-            if type(tree) is int:
-                return leaves[tree]
-            if tree[0] == _N_DICT_OF_LEAVES:
-                return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
-            consts = [_const(v) for v in self.consts]
-            return self._walk(tree, leaves, consts)
+            return self.assemble(leaves)
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
@@ -422,6 +416,15 @@ class Plan:
             )
         return pickle.loads(raw.data)
 
+    def assemble(self, leaves: list) -> Any:
+        """The sample's tree around its built ``leaves`` (with this plan's inline values)."""
+        tree = self.tree
+        if type(tree) is int:
+            return leaves[tree]
+        if tree[0] == _N_DICT_OF_LEAVES:
+            return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
+        return self._walk(tree, leaves, [_const(v) for v in self.consts])
+
     def _walk(self, node: Any, leaves: list, consts: list) -> Any:
         if type(node) is int:
             return leaves[node]
@@ -441,11 +444,15 @@ class Plan:
         if code == _N_VALUES:
             values = [self._walk(v, leaves, consts) for v in node[1]]
             kinds = {type(v) for v in values}
-            if self.opts.as_tensors and len(kinds) == 1 and kinds <= {bool, int, float}:
-                # Checked once per plan, built for every batch: values that never fail to build.
-                # Ints past int64 (headers allow up to 10**30) stay a list of ints.
-                if int not in kinds or all(-(1 << 63) <= v < 1 << 63 for v in values):
-                    return torch.tensor(values)
+            # Checked once per plan, built for every batch: values that never fail to build.
+            # Ints past int64 (headers allow up to 10**30) stay a list of ints.
+            tensorable = len(kinds) == 1 and kinds <= {bool, int, float}
+            if (
+                self.opts.as_tensors
+                and tensorable
+                and (int not in kinds or all(-(1 << 63) <= v < 1 << 63 for v in values))
+            ):
+                return torch.tensor(values)
             return values
         if code == _N_ODICT:
             return collections.OrderedDict((k, self._walk(v, leaves, consts)) for k, v in zip(node[1], node[2]))

@@ -109,6 +109,7 @@ _MAX_RECIPES = 256
 
 
 def _recipe(plan: Plan) -> tuple[list, bool]:
+    plan = plan.base or plan  # a plan bound to a sample's inline values has its base's leaves
     hit = _recipes.get(id(plan))
     if hit is not None and hit[0] is plan:
         return hit[1], hit[2]
@@ -159,7 +160,7 @@ def _build(plan: Plan, host: np.ndarray, path: str, stage: Any) -> Any:
                 add(host[r[1] : r[2]].view(r[3]).reshape(r[4]).copy())  # the slot goes back: a copy
             else:
                 add(plan._other_leaf(host, r[1], r[2], r[3], r[4], r[5], path))
-        sample = plan._walk(plan.tree, leaves)
+        sample = plan.assemble(leaves)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
     if values:  # stacked inline scalars became host tensors: they go over too

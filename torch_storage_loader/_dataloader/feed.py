@@ -4,11 +4,12 @@ Taking from a queue removes the handle before the taker can record it anywhere: 
 took a handle and was killed before telling the ledger would lose it, and one killed while
 waiting on a queue's lock would leave every other consumer waiting. So for a ``fed_from_trainer``
 source the trainer's ``tsl-feeder`` thread takes, records each handle as given to worker ``w``,
-and only then writes it to that worker's feed pipe. A worker asks for one item's worth at a time
-(``NEED`` on its ledger pipe) and holds at most two (what it has plus what it asked for): it asks
-for the next item's handles as it starts on the last item's worth it has, so the round trip to the
-trainer overlaps its reading instead of stalling it, and no worker hoards what another item needs.
-It reads its pipe (``FeedReader``) and reports what it read to the ledger, one message per item. Whatever was given and not reported is still
+and only then writes it to that worker's feed pipe. A worker asks for what its next items need
+(``NEED`` on its ledger pipe) when it has nothing left, so handles go to the worker the trainer is
+waiting on, never to one that may not be asked for an item again (asking ahead, before it is
+empty, let a worker that runs ahead on prefetched indices take what the trainer then waited for on
+another, with the stream open). It reads its pipe (``FeedReader``) and reports what it read to the
+ledger, one message per item. Whatever was given and not reported is still
 known to the trainer, and goes back when the iterator stops.
 
 A feed carries ``("fed", [pickled handle, ...])`` (a pickled handle is its own token), ``("end",
@@ -266,26 +267,23 @@ class FeedReader:
 
     It outlives an iteration (persistent workers start a new one each epoch), so nothing read is
     dropped, and a request still being served is not made twice. ``ask(n)`` sends the request.
-    What it holds and asked for together stays within two ``unit`` s: it asks for one more unit as
-    soon as that sum falls to one, so the next unit is on its way while the last is read.
     """
 
     def __init__(self, feed: Any, trainer_pid: int, ask: Callable[[int], None]) -> None:
         self.feed, self._trainer_pid, self._ask = feed, trainer_pid, ask
         self.waiting: collections.deque[tuple[Any, Any]] = collections.deque()
         self.outstanding = 0  # asked for, not yet received
-        self.unit = 1  # what one request asks for: one item's worth
+        self.chunk = 1  # what one request asks for
 
     def pairs(self, incarnation: int) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``; ends at the
         source's end (or the iterator's stop, or the trainer's death); raises what taking raised."""
         while True:
-            if len(self.waiting) + self.outstanding <= self.unit:
-                self.outstanding += self.unit
-                self._ask(self.unit)
-            if self.waiting:
+            while self.waiting:
                 yield self.waiting.popleft()
-                continue
+            if self.outstanding <= 0:
+                self.outstanding = self.chunk
+                self._ask(self.chunk)
             if not self.feed.poll(TRAINER_CHECK_S):
                 if not pid_alive(self._trainer_pid):
                     return

@@ -338,11 +338,11 @@ class LedgerWriter:
 
     def fed(self, item: int) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation, asked
-        for ``item`` (what one DataLoader item takes) at a time, and at least two: so a worker holds
-        at most two items' worth (four handles), which is all that a starved stream may find
-        with a worker the trainer is not waiting on."""
+        for two of ``item`` s (what one DataLoader item takes), at least four handles, at a time:
+        a round trip to the trainer per two items, and never more than two items' worth held
+        beyond what the worker is asked for."""
         assert self.feed is not None  # a fed source's writer
-        self.feed.unit = max(2, item)
+        self.feed.chunk = max(4, 2 * item)
         return self.feed.pairs(self.incarnation)
 
     def _need(self, n: int) -> None:

@@ -463,3 +463,87 @@ def test_storage_options_reach_the_buckets_a_redis_queue_trusts():
         with _stores_config._lock:
             _stores_config._config.clear()
             _stores_config._config.update(before)
+
+
+# ------------------------------------------------------- stats() counts what workers skip and refuse
+def _hostile_directory(tmp_path, good: int = 16):
+    """A watched directory with ``good`` honest files, then (sorting after them, so the last handles of
+    each worker's share fail) a link out of the directory, a FIFO, garbage, and a claim name that
+    does not parse (refused by a directory source). Returns it and the bad files' paths."""
+    from conftest import traj
+
+    watched, outside = tmp_path / "watched", tmp_path / "outside"
+    watched.mkdir()
+    outside.mkdir()
+    FileStorage(outside / "secret.tsl").save(traj(99, 1))
+    for i in range(good):
+        FileStorage(watched / f"g-{i:02d}.tsl").save(traj(i, 1))
+    os.symlink(outside / "secret.tsl", watched / "z-link.tsl")
+    os.mkfifo(watched / "z-pipe.tsl")
+    (watched / "z-garbage.tsl").write_bytes(b"\x00" * 64)
+    (watched / "zz.tsl.claimed-").write_bytes(b"")  # refused: not NAME.claimed-HOST-TRAINER-PID
+    return watched, [str(watched / n) for n in ("z-garbage.tsl", "z-link.tsl", "z-pipe.tsl")]
+
+
+def _source(kind: str, watched, bad: list[str]):
+    goods = sorted(str(p) for p in watched.glob("g-*.tsl"))
+    handles = [FileStorage(p) for p in goods + bad]
+    if kind == "list":
+        return handles
+    if kind == "queue":
+        q: queue.Queue = queue.Queue()
+        for h in [*handles, None]:
+            q.put(h)
+        return q
+    end_directory_stream(watched)
+    return str(watched)
+
+
+@pytest.mark.parametrize("kind", ["list", "queue", "directory"])
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_stats_count_what_workers_skip_and_refuse(tmp_path, kind, num_workers, persistent):
+    """The trainer's stats() counts the skips and refusals of its DataLoader workers, even where no
+    sample follows them in that worker (they used to travel with the worker's next sample only)."""
+    watched, bad = _hostile_directory(tmp_path)
+    ds = StorageDataset(_source(kind, watched, bad), on_error="skip")
+    dl = DataLoader(
+        ds, batch_size=None, num_workers=num_workers, persistent_workers=persistent, timeout=60 if num_workers else 0
+    )
+    epochs = 2 if kind == "list" and persistent else 1  # a stream ends once
+    for epoch in range(epochs):
+        assert ids_of(dl) == list(range(16))
+        stats = ds.stats()  # persistent workers are still alive here
+        assert stats["skipped"] == len(bad) * (epoch + 1), stats
+        # Each process of a directory source refuses a name once: the trainer's, or each worker's.
+        assert stats["refused"] == (max(1, num_workers) if kind == "directory" else 0), stats
+    del dl
+    if kind == "directory":
+        assert sorted(os.listdir(watched)) == sorted(
+            ["_END_OF_STREAM", "zz.tsl.claimed-"] + [os.path.basename(p) + ".failed" for p in bad]
+        )
+
+
+@pytest.mark.parametrize("kind", ["list", "directory"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bad_file_costs_only_its_own_sample_in_a_batch(tmp_path, kind, num_workers):
+    """With the dataset's batch_size, a file that fails under on_error="skip" drops itself only: its
+    batch comes one sample shorter, and (a stream) the good files batched with it are delivered."""
+    from conftest import traj
+
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    for i in range(8):
+        FileStorage(watched / f"g-{i:02d}.tsl").save(traj(i, 1))
+    (watched / "g-01x.tsl").write_bytes(b"\x00" * 64)  # sorts between g-01 and g-02: in the first batch
+    names = sorted(os.listdir(watched))
+    source = [FileStorage(watched / n) for n in names] if kind == "list" else str(watched)
+    if kind == "directory":
+        end_directory_stream(watched)
+    ds = StorageDataset(source, batch_size=4, on_error="skip")
+    out = list(DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=60 if num_workers else 0))
+    assert ids_of(out, batched=True) == list(range(8))
+    if kind == "list":  # fixed groups: [g-00, g-01, bad, g-02], [g-03 .. g-06], [g-07]
+        assert sorted(len(b["info"]["id"]) for b in out) == [1, 3, 4]
+    assert ds.stats()["skipped"] == 1
+    if kind == "directory":
+        assert sorted(os.listdir(watched)) == ["_END_OF_STREAM", "g-01x.tsl.failed"]  # the good ones delivered

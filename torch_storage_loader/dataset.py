@@ -7,7 +7,7 @@ trainer dropped every tensor viewing it; when none is free the worker uses a seg
 for that sample (counted as a fallback), so keeping batches never deadlocks and never sees them
 change. With ``num_workers=0`` samples are read into private memory in the trainer's process.
 
-Size: about 580 lines (350 of code, 170 of docstrings: the users' reference), because
+Size: about 660 lines (400 of code, 190 of docstrings: the users' reference), because
 ``StorageDataset`` is torch's dataset protocol (iteration, length, ``state_dict``, ``set_epoch``,
 pickling into workers and DDP ranks, ``stats``) over finite and streaming sources alike; what it
 uses has its own home already (``_sources``, ``_dataloader.epochs``, ``_dataloader.items``,
@@ -28,13 +28,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ._dataloader import hooks
 from ._dataloader.epochs import EpochCounters
-from ._dataloader.items import WorkerItem, counts, record, record_refused
+from ._dataloader.items import WorkerCounts, WorkerItem, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._format import trust as _trust
 from ._options import check_option
 from ._shm import device as _device
 from ._shm.alloc import check_slot_options
-from ._shm.filling import LocalFiller, SlotFiller
+from ._shm.filling import FillInfo, LocalFiller, SlotFiller
 from ._shm.segments import default_shm_budget
 from ._sources import DirectorySource, ListSource, Source, as_source, end_directory_stream
 from ._sources.redis import RedisSource
@@ -81,7 +81,8 @@ class StorageDataset(IterableDataset[Any]):
     ``batch_size``: stack that many samples straight into one slot (leaves gain a leading batch
     dimension); use it with ``DataLoader(..., batch_size=None)``. ``collate_fn`` combines samples
     whose shapes differ instead. ``on_error="skip"`` skips (and counts) samples that fail to load
-    instead of raising. ``max_shm_bytes`` bounds the shared memory of this DataLoader's workers
+    instead of raising (in a batch, only the files that fail: the batch comes shorter).
+    ``max_shm_bytes`` bounds the shared memory of this DataLoader's workers
     (split evenly; default half the size of /dev/shm): a sample larger than one worker's share
     raises ``SampleTooLargeError``. Numeric numpy leaves come out as tensors (sharing memory, as DataLoader's
     default conversion does); treetensor trees stay trees.
@@ -111,7 +112,11 @@ class StorageDataset(IterableDataset[Any]):
             them; None: half the size of /dev/shm. Without workers, the most private memory one
             sample may take (a file's header cannot make the trainer allocate more).
         on_error: ``"raise"`` (the default) raises a sample's load error in the trainer; ``"skip"``
-            logs it, counts it (``stats()["skipped"]``) and goes on.
+            logs it, counts it (``stats()["skipped"]``, one per file, workers' included) and goes on.
+            With ``batch_size``, a batch loses only the files that fail on their own, and comes with
+            fewer samples (the batches are fixed groups of handles, as ``len()`` and resuming count
+            them); it is skipped whole only where its samples cannot be stacked together or
+            ``collate_fn`` fails.
         shuffle: Draw a new order each epoch from ``(seed, epoch)``; finite sources only.
         seed: The seed of the shuffled order, the same on every rank.
         storage_options: fsspec options (credentials, endpoint) for the buckets this dataset names.
@@ -195,8 +200,11 @@ class StorageDataset(IterableDataset[Any]):
         self._iters = 0
         self._owner = os.getpid()
         self._epochs = EpochCounters() if self.source.finite else None  # shared with the DataLoader's workers
-        self._skipped = 0
-        self._refused_sent = 0  # of the source's refusals in this worker, those reported to the trainer
+        self._skipped = 0  # in the trainer: handles skipped since the last sample it recorded
+        self._worker_counts = WorkerCounts()  # skipped and refused in the DataLoader's workers
+        self._refused_sent = 0  # of the source's refusals in this worker, those added to _worker_counts
+        self._wid = 0  # this DataLoader worker's id (its row of _worker_counts)
+        self._counting_pid = 0  # the process _refused_sent was last set up for
         self._filler: SlotFiller | None = None
         self._filler_pid = 0
         self._materialize = False  # set per iteration: see hooks.fetch_context
@@ -277,8 +285,10 @@ class StorageDataset(IterableDataset[Any]):
         """
         if self._owner != os.getpid() and get_worker_info() is None:
             self._owner, self._dist = os.getpid(), None
+            self._worker_counts = WorkerCounts()  # another trainer's workers: counted apart, from zero
             if self._epochs is not None:
                 self._epochs = self._epochs.detach()
+        self._worker_counts.ensure_shared()
         if self._epochs is not None:
             self._epochs.ensure_shared()
 
@@ -350,32 +360,48 @@ class StorageDataset(IterableDataset[Any]):
     def stats(self) -> dict[str, int]:
         """Counts of what reached this process: loads, bytes, slot_loads, fallbacks, regrows, skipped.
 
-        ``padded``: handles this rank repeats each epoch so that all ranks yield as many items.
+        ``skipped`` (handles that failed to load under ``on_error="skip"``, one per file, batched or
+        not) and ``refused`` (entries the source refused) include those of this process's DataLoader
+        workers, persistent or not, whatever the source. ``padded``: handles this rank repeats each
+        epoch so that all ranks yield as many items.
 
         Returns:
             The counts by name (``loads``, ``bytes``, ``skipped``, ``refused``, ``padded``, ...).
         """
         padded = 0
+        self._own()
         if isinstance(self.source, ListSource):
-            self._own()
             rank, world = self._dist if self._dist is not None else _live_dist()
             padded = self.source.padded(rank, world, self.drop_last)
-        return counts(self._uid, self._skipped, self._unsent_refusals()) | {"padded": padded}
+        skipped, refused = self._worker_counts.totals()
+        return counts(self._uid, self._skipped + skipped, self._unsent_refusals() + refused) | {"padded": padded}
 
     def _unsent_refusals(self) -> int:
-        """Refusals of this process's source not yet reported (a worker reports them to its trainer's ledger)."""
+        """Refusals of this process's source not yet reported (a worker adds them to ``_worker_counts``)."""
         return getattr(self.source, "refused", 0) - self._refused_sent
 
-    def _report_refusals(self, writer: LedgerWriter) -> None:
-        """In a DataLoader worker: tell the trainer what the source refused since the last report."""
+    def _start_counting(self, worker_id: int) -> None:
+        """In a DataLoader worker, as it starts iterating: what its source refused before is not its own
+        (a forked worker inherits the trainer's count, which the trainer reports)."""
+        self._wid = worker_id
+        if self._counting_pid != os.getpid():
+            self._counting_pid = os.getpid()
+            self._refused_sent = getattr(self.source, "refused", 0)
+
+    def _report_refusals(self) -> None:
+        """In a DataLoader worker: add what the source refused since the last report to the trainer's counts."""
         refused = self._unsent_refusals()
         if refused:
             self._refused_sent += refused
-            writer.refused(refused)
+            self._worker_counts.add(self._wid, refused=refused)
 
-    def _tsl_refused(self, n: int) -> None:
-        """For ``hooks``: a worker's source refused ``n`` entries (called on the trainer's ledger thread)."""
-        record_refused(self._uid, n)
+    def _count_skipped(self, n: int, in_worker: bool) -> None:
+        """``n`` handles were skipped (``on_error="skip"``): a worker adds them to the trainer's counts at
+        once, since no item may follow to carry them (its last handles may all fail)."""
+        if in_worker:
+            self._worker_counts.add(self._wid, skipped=n)
+        else:
+            self._skipped += n
 
     # --------------------------------------------------------------------------- iteration
     def _next_epoch(self, num_workers: int, wid: int) -> tuple[int, int]:
@@ -397,6 +423,8 @@ class StorageDataset(IterableDataset[Any]):
             _objects.use_obstore_here()
         wid, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         self._own()
+        if worker is not None:
+            self._start_counting(wid)
         rank, world = self._dist if self._dist is not None else _live_dist()
         src = self.source
         if not isinstance(src, ListSource):
@@ -466,8 +494,9 @@ class StorageDataset(IterableDataset[Any]):
                 group.append((token, storage))
                 if len(group) < size:
                     continue
+                if in_worker:
+                    self._report_refusals()
                 if writer is not None:
-                    self._report_refusals(writer)
                     writer.took(made // per_item, [t for t, _ in group])
                     reported = len(group)
                 item = self._load_stream(filler, group, in_worker, writer, made // per_item)
@@ -491,7 +520,8 @@ class StorageDataset(IterableDataset[Any]):
                 with contextlib.suppress(OSError):  # the trainer may be gone: never hide why the stream stopped
                     if len(group) > reported:  # read, never loaded: taken for an item never sent, so they go back
                         writer.took(made // per_item, [t for t, _ in group[reported:]])
-                    self._report_refusals(writer)  # those after the last sample, or with none at all
+            if in_worker:
+                self._report_refusals()  # those after the last sample, or with none at all
 
     def _load_stream(
         self,
@@ -504,22 +534,23 @@ class StorageDataset(IterableDataset[Any]):
         tokens = [t for t, _ in group]
         src = self._streaming()
 
-        def failed() -> None:
-            src.fail(tokens)
+        def failed(bad: list[Any]) -> None:
+            src.fail(bad)
             if writer is not None:
-                writer.dropped(item, tokens)
+                writer.dropped(item, bad)
 
+        dropped: list[int] = []  # positions skipped (on_error="skip"): settled as failed, never delivered
         try:
-            out = self._load(filler, [s for _, s in group], in_worker)
+            out = self._load(filler, [s for _, s in group], in_worker, dropped)
         except Exception:
-            failed()
+            failed(tokens)
             group.clear()  # settled: nothing to give back
             raise
         # Anything else (KeyboardInterrupt, the worker stopping) leaves them taken: they go back.
-        if out is _SKIP:
-            failed()
-        elif writer is None:
-            src.ack(tokens)  # in the trainer (no workers) or no ledger: delivered as loaded
+        if dropped:
+            failed([tokens[i] for i in dropped])
+        if out is not _SKIP and writer is None:
+            src.ack([t for i, t in enumerate(tokens) if i not in dropped])  # in the trainer: delivered as loaded
         return out
 
     def _streaming(self) -> Source:
@@ -567,27 +598,72 @@ class StorageDataset(IterableDataset[Any]):
             self._filler_pid = os.getpid()
         return self._filler
 
-    def _load(self, filler: SlotFiller, group: list[Any], in_worker: bool) -> Any:
+    def _load(self, filler: SlotFiller, group: list[Any], in_worker: bool, dropped: list[int] | None = None) -> Any:
+        """Fill one item (a sample, or a batch) from ``group``; under ``on_error="skip"``, ``_SKIP`` or a batch
+        of fewer samples instead of an error, the positions in ``group`` of the handles skipped added to ``dropped``."""
+        dropped = [] if dropped is None else dropped
         try:
-            if self.batch_size is None:
-                info, payload = filler.fill(group[0])
-            else:
-                info, payload = filler.fill_batch(group, self.collate_fn)
+            info, payload = self._fill(filler, group, in_worker, dropped)
         except Exception as exc:
             if self.on_error == "raise":
                 raise
-            logger.warning("skipping %s: %s", group if len(group) > 1 else group[0], exc)
-            self._skipped += 1
+            rest = [i for i in range(len(group)) if i not in dropped]
+            if rest:  # (none: each failed on its own, logged and counted already)
+                logger.warning("skipping %s: %s", [group[i] for i in rest] if len(rest) > 1 else group[rest[0]], exc)
+                dropped.extend(rest)
+                self._count_skipped(len(rest), in_worker)
             return _SKIP
         skipped, self._skipped = self._skipped, 0
         if in_worker and self._materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if in_worker:
-            return WorkerItem(self._uid, info, skipped, payload, filler)
+            return WorkerItem(self._uid, info, payload, filler)
         record(self._uid, info, skipped)
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy
         return payload
+
+    def _fill(self, filler: SlotFiller, group: list[Any], in_worker: bool, dropped: list[int]) -> tuple[FillInfo, Any]:
+        """``filler``'s fill of ``group``. Under ``on_error="skip"`` a batch that fails is filled again without
+        the handles that fail on their own (each logged and counted, its position added to ``dropped``):
+        a bad file costs its own sample, never the good ones batched with it, and the batch comes shorter
+        (the dataset's batches are fixed groups of handles: ``len()``, resuming and the delivery ledger
+        count them). Only on that error path is each handle read a second time. Raises the batch's error if no handle fails alone (they cannot be stacked together,
+        or ``collate_fn`` failed) or the others fail together again."""
+        if self.batch_size is None:
+            return filler.fill(group[0])
+        try:
+            return filler.fill_batch(group, self.collate_fn)
+        except Exception:
+            if self.on_error == "raise" or len(group) == 1:
+                raise
+            why = {i: exc for i, h in enumerate(group) if (exc := self._fails_alone(h, filler)) is not None}
+            if not why:
+                raise
+        for i, exc in why.items():
+            logger.warning("skipping %s: %s", group[i], exc)
+        dropped.extend(why)
+        self._count_skipped(len(why), in_worker)
+        rest = [h for i, h in enumerate(group) if i not in why]
+        if not rest:
+            raise _AllSkipped
+        return filler.fill_batch(rest, self.collate_fn)
+
+    def _fails_alone(self, storage: Storage, filler: SlotFiller) -> Exception | None:
+        """Why ``storage`` cannot be loaded on its own (None: it can), read as ``fill_batch`` reads it, into
+        private memory bounded as ``filler`` bounds a batch, then dropped: no slot, no device."""
+        try:
+            if self.collate_fn is not None:
+                storage.load()  # what fill_batch does for collate_fn
+            else:
+                LocalFiller(budget=filler.alloc.budget).fill_batch([storage])
+        except Exception as exc:  # noqa: BLE001 - the reason it is skipped, logged
+            return exc
+        return None
+
+
+class _AllSkipped(Exception):
+    """Every handle of a batch failed on its own: each was logged and counted already."""
 
 
 _SKIP = object()

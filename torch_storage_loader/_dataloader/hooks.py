@@ -87,9 +87,6 @@ class Tracked(Protocol):
     def _tsl_attach_ledger(self, ref: LedgerRef | None) -> None:
         """Hand the ledger's pipes to the workers about to start (None once they have them)."""
 
-    def _tsl_refused(self, n: int) -> None:
-        """Count ``n`` entries its source refused in a worker (the ledger's thread reports them)."""
-
 
 # ------------------------------------------------------------------------------ checks
 def _params(fn: Any) -> list[inspect.Parameter]:
@@ -251,7 +248,6 @@ def _open(loader: Any) -> Ledger | None:
         ctx,
         confirm=bool(getattr(loader, "confirm_delivery", False)),
         most=2 * per_item,
-        on_refused=ds._tsl_refused,
     )
     ds._tsl_attach_ledger(ledger.ref())
     return ledger

@@ -31,22 +31,22 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
 
-TAKE, DROP, NEED, REFUSED = KINDS = ("take", "drop", "need", "refused")
+TAKE, DROP, NEED = KINDS = ("take", "drop", "need")
 MAX_UNCONFIRMED = 2
-MAX_NEED = 1 << 20  # the most handles a worker may ask for at once (or report refused in one message)
+MAX_NEED = 1 << 20  # the most handles a worker may ask for at once
 
 
 class Entry(NamedTuple):
     """One message of a worker's pipe: the worker took (``TAKE``) or settled itself (``DROP``: failed,
     skipped) ``tokens`` for its DataLoader item ``item`` of its iterator ``incarnation``; or it asks for
-    handles (``NEED``, ``tokens == [n]``), or its source refused entries (``REFUSED``, ``tokens == [n]``)."""
+    handles (``NEED``, ``tokens == [n]``)."""
 
     kind: str
     incarnation: int
@@ -80,11 +80,8 @@ class Ledger:
     sources whose entries expire (``keep_alive``: Redis claims idle entries after ``claim_after``).
     """
 
-    def __init__(
-        self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1, on_refused: Any = None
-    ) -> None:
+    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1) -> None:
         self.source = source
-        self._on_refused: Callable[[int], None] | None = on_refused  # for the dataset's stats()
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
         self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
         self._handing: list[ItemKey] = []  # processed, not yet returned by the iterator
@@ -183,10 +180,6 @@ class Ledger:
             return
         msg = Entry._make(msg)
         n = msg.tokens[0] if len(msg.tokens) == 1 and type(msg.tokens[0]) is int else None
-        if msg.kind == REFUSED:
-            if n is not None and 1 <= n <= MAX_NEED and self._on_refused is not None:
-                self._on_refused(n)
-            return
         if msg.kind == NEED:
             if self._feeder is not None and n is not None and 1 <= n <= MAX_NEED:
                 self._feeder.need(worker, n)
@@ -353,7 +346,3 @@ class LedgerWriter:
 
     def dropped(self, item: int, tokens: list) -> None:
         self._conn.send(Entry(DROP, self.incarnation, item, tokens))
-
-    def refused(self, n: int) -> None:
-        """This worker's source refused ``n`` more entries (counted in the trainer's ``stats()``)."""
-        self._conn.send(Entry(REFUSED, self.incarnation, 0, [n]))

@@ -25,6 +25,22 @@ class MemoryStorage(Storage):
         return self.value
 
 
+def _unpickle_outside_workers(value):
+    """A handle's unpickling that fails in a DataLoader worker (its class, say, not importable there)."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        raise ImportError("No module named 'collector_only_module'")
+    return WorkerFails(value)
+
+
+class WorkerFails(MemoryStorage):
+    """A handle that pickles fine and fails to unpickle in a DataLoader worker."""
+
+    def __reduce__(self):
+        return _unpickle_outside_workers, (self.value,)
+
+
 class SleepStorage(Storage):
     def __init__(self, seconds: float, tag: str = "sleep") -> None:
         super().__init__(tag)

@@ -16,7 +16,7 @@ from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
 from conftest import traj
 from torch.utils.data import DataLoader
 
-from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
+from torch_storage_loader import FileStorage, StorageDataset, StorageError, StorageQueue, end_directory_stream
 
 N = 600
 
@@ -210,6 +210,27 @@ def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
     for item in DataLoader(StorageDataset(q), batch_size=None, num_workers=1, timeout=60):
         got += _ids(item)
     assert sorted(got) == list(range(6))
+
+
+def test_a_handle_that_does_not_unpickle_in_a_worker_fails_alone(tmp_path):
+    """The trainer passes a queue's handles on pickled: one that a worker cannot unpickle is that
+    handle's error, under on_error, and the handles after it in the same burst still arrive."""
+    small = _save_all(tmp_path / "files", n=6)
+    q = StorageQueue()
+    for s in [*small[:3], _helpers.WorkerFails({"x": np.zeros(2)}, tag="odd"), *small[3:]]:
+        q.put(s)
+    q.close()
+    ds = StorageDataset(q, on_error="skip")
+    got = [i for item in DataLoader(ds, batch_size=None, num_workers=1, timeout=60) for i in _ids(item)]
+    assert sorted(got) == list(range(6))
+    assert ds.stats()["skipped"] == 1
+    q2 = StorageQueue()
+    for s in [*small[:2], _helpers.WorkerFails({"x": np.zeros(2)}, tag="odd")]:
+        q2.put(s)
+    q2.close()
+    with pytest.raises(StorageError, match="does not unpickle in a DataLoader worker: ImportError"):
+        for _ in DataLoader(StorageDataset(q2), batch_size=None, num_workers=1, timeout=60):
+            pass
 
 
 def test_killed_trainer_gives_its_claims_back(tmp_path):

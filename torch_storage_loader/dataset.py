@@ -16,7 +16,6 @@ uses has its own home already (``_sources``, ``_dataloader.epochs``, ``_dataload
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import uuid
@@ -486,40 +485,32 @@ class StorageDataset(IterableDataset[Any]):
         src, size = self._streaming(), self.batch_size or 1
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[Any] = []
-        # A group's tokens are reported to the trainer once, before it is loaded: until then the
-        # trainer counts them as fed to this worker, so a kill loses none of them either way.
-        reported = 0
         try:
             for token, storage in pairs:
                 group.append((token, storage))
+                if writer is not None:
+                    # Each as it is read, never once per group: a worker that waits for the rest of
+                    # its group (a slow stream) must not hold handles the trainer cannot see (a
+                    # claimed file) or that keep its feed counted full (the feeder would stop).
+                    writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
                 if in_worker:
                     self._report_refusals()
-                if writer is not None:
-                    writer.took(made // per_item, [t for t, _ in group])
-                    reported = len(group)
                 item = self._load_stream(filler, group, in_worker, writer, made // per_item)
-                group, reported = [], 0
+                group = []
                 if item is not _SKIP:
                     made += 1
                     yield item
             if group and not self.drop_last:
-                if writer is not None:
-                    writer.took(made // per_item, [t for t, _ in group])
-                    reported = len(group)
                 item = self._load_stream(filler, group, in_worker, writer, made // per_item)
-                group, reported = [], 0
+                group = []
                 if item is not _SKIP:
                     yield item
         finally:
             pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
             if group and writer is None:
                 src.give_back([t for t, _ in group])  # taken, never delivered (with a ledger, the trainer does this)
-            if writer is not None:
-                with contextlib.suppress(OSError):  # the trainer may be gone: never hide why the stream stopped
-                    if len(group) > reported:  # read, never loaded: taken for an item never sent, so they go back
-                        writer.took(made // per_item, [t for t, _ in group[reported:]])
             if in_worker:
                 self._report_refusals()  # those after the last sample, or with none at all
 

@@ -33,6 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._proc import pid_alive
+from ..errors import StorageError
 from ..storage import Storage
 
 logger = logging.getLogger("torch_storage_loader")
@@ -294,8 +295,8 @@ class FeedReader:
                 return
             kind = msg[0] if type(msg) is tuple and msg else None
             if kind == FED and len(msg) == 2 and type(msg[1]) is list:
-                self.waiting.extend(_pair(data) for data in msg[1])
                 self.outstanding -= len(msg[1])
+                self.waiting.extend(_pair(data) for data in msg[1])
             elif kind == END and len(msg) == 2:
                 if msg[1] >= incarnation:
                     return
@@ -309,11 +310,31 @@ class FeedReader:
 
 
 def _pair(data: Any) -> tuple[Any, Any]:
-    """A pickled handle as the trainer fed it: ``(token, handle)``, the token being the bytes."""
-    handle = ForkingPickler.loads(data) if type(data) is bytes else None
+    """A pickled handle as the trainer fed it: ``(token, handle)``, the token being the bytes.
+
+    One that does not unpickle here (its class cannot be imported in the worker, say) still comes
+    out as a pair, so that it is reported taken like the others and then fails where it is loaded."""
+    try:
+        handle = ForkingPickler.loads(data) if type(data) is bytes else None
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raised: the handle fails, the feed goes on
+        return data, _Unreadable(f"it does not unpickle in a DataLoader worker: {type(exc).__name__}: {exc}")
     if not isinstance(handle, Storage):
-        raise RuntimeError(f"the trainer's feed sent {type(handle).__name__}, not a pickled Storage handle")
+        return data, _Unreadable(f"the trainer fed {type(handle).__name__}, not a Storage handle")
     return data, handle
+
+
+class _Unreadable(Storage):
+    """Stands for a fed handle that the worker cannot use: loading it raises ``StorageError``."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+    def save(self, data: Any) -> Any:
+        raise StorageError(f"a handle fed to a DataLoader worker cannot be used: {self.why}")
+
+    def load(self) -> Any:
+        raise StorageError(f"a handle fed to a DataLoader worker cannot be used: {self.why}")
 
 
 def _type_name(data: bytes) -> str:

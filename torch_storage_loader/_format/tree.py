@@ -551,9 +551,7 @@ def plan_key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
     hit = _plan_keys.get(id(header))
     if hit is not None and hit[0] is header and hit[1] == opts:
         return hit[2], hit[3]
-    skeleton, consts = split(header.spec)
-    bare = Header(skeleton, header.arrays, header.data_offset, header.data_size)
-    key = pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    key, consts = _key(header, opts)
     if len(_plan_keys) >= _MAX_PLAN_KEYS:
         _plan_keys.clear()
     _plan_keys[id(header)] = (header, opts, key, consts)  # the header is kept: its id stays its own
@@ -564,6 +562,13 @@ _plan_keys: dict[int, tuple[Header, ReadOptions, bytes, tuple]] = {}
 _MAX_PLAN_KEYS = 64
 
 
+def _key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
+    """``plan_key`` without its cache (for headers made once, which it would only keep alive)."""
+    skeleton, consts = split(header.spec)
+    bare = Header(skeleton, header.arrays, header.data_offset, header.data_size)
+    return pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL), consts
+
+
 def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = "") -> Any:
     """Rebuild a sample whose data section lies in ``buf``; leaves are views onto ``buf``.
 
@@ -571,7 +576,7 @@ def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = 
     keep it alive.
     """
     u8 = buf if type(buf) is np.ndarray and buf.dtype == np.uint8 else np.frombuffer(buf, np.uint8)
-    key, consts = plan_key(header, opts)
+    key, consts = _key(header, opts)  # (a loaded file's header is its own: caching it by id would only pin it)
     plan = plan_for(key).bind(consts)
     plan.check_values(u8, path)
     return plan.build(u8, path)

@@ -1,4 +1,5 @@
-"""Whether a process on this host is alive (a zombie, dead but not yet reaped, counts as dead).
+"""Whether a process on this host is alive (a zombie, dead but not yet reaped, counts as dead),
+and the size of the pipes processes talk through.
 
 Claims name their trainer's pid; whoever wrote the claim may have written anything, so pids are
 parsed here, ASCII digits only and within the kernel's range, before any ``os.kill`` sees them.
@@ -6,6 +7,7 @@ parsed here, ASCII digits only and within the kernel's range, before any ``os.ki
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 
@@ -41,3 +43,15 @@ def trainer_alive(family: str, pid: int) -> bool:
     """Whether the trainer behind a claim lives: its family is its pid (else the claiming process's)."""
     trainer = parse_pid(family)
     return pid_alive(trainer if trainer is not None else pid)
+
+
+def pipe_capacity(fd: int, want: int) -> int:
+    """The size of the pipe ``fd``, raised to ``want`` bytes where the system lets us."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, want)
+    except (AttributeError, OSError):
+        pass  # not Linux, or over /proc/sys/fs/pipe-max-size: the pipe keeps its size
+    try:
+        return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
+    except (AttributeError, OSError):
+        return 65536  # POSIX guarantees less, but every system this runs on has at least this

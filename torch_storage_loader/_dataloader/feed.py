@@ -22,7 +22,6 @@ shutting down: stop now, whatever the incarnation).
 from __future__ import annotations
 
 import collections
-import fcntl
 import logging
 import mmap
 import pickletools
@@ -32,7 +31,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._proc import pid_alive
+from .._proc import pid_alive, pipe_capacity
 from ..errors import StorageError
 from ..storage import Storage
 
@@ -65,7 +64,7 @@ class Feeder:
         want = min(PIPE_MAX, max(16 * PAGE, most * HANDLE_BYTES * 2))
         self._room_bytes = []
         for f in feeds:
-            capacity = _pipe_capacity(f, want)
+            capacity = pipe_capacity(f.fileno(), want)
             self._room_bytes.append(capacity - max(2 * PAGE, capacity // 8))  # the rest: end, error, stop
         if min(self._room_bytes) < 2 * PAGE:
             raise OSError(
@@ -249,18 +248,6 @@ class Feeder:
 def _pages(nbytes: int) -> int:
     """What a message of ``nbytes`` may take of a pipe: whole pages, and the rest of the last one."""
     return (nbytes // PAGE + 2) * PAGE
-
-
-def _pipe_capacity(conn: Any, want: int) -> int:
-    """The size of the pipe under ``conn``, raised to ``want`` where the system lets us."""
-    try:
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, want)
-    except (AttributeError, OSError):
-        pass  # not Linux, or over /proc/sys/fs/pipe-max-size: the pipe keeps its size
-    try:
-        return int(fcntl.fcntl(conn.fileno(), fcntl.F_GETPIPE_SZ))
-    except (AttributeError, OSError):
-        return 65536  # POSIX guarantees less, but every system this runs on has at least this
 
 
 class FeedReader:

@@ -25,7 +25,8 @@ latency (from just before ``put`` to the trainer's loop, one clock on one machin
 idle fraction (time waiting for data over time waiting plus stepping) are taken over the producing
 phase. CPU use per component (redis-server, SeaweedFS, collectors, trainers with their DataLoader
 workers) is sampled from /proc to show what saturates. Prints one table (``--json``: its last line
-is one JSON object) and draws a PNG (``--plot``: throughput and latency over time, faults marked).
+is one JSON object) and draws a PNG (``--plot``: throughput, latency and backlog over time, faults
+marked; its data goes beside it as JSON, which ``--replot JSON`` draws again without a run).
 """
 
 from __future__ import annotations
@@ -593,13 +594,16 @@ def _read_logs(work: str):
 
 
 def _series(produced: dict, gets: list, t0: float, t_end: float) -> dict:
-    """Per TICK_S bin from t0: samples/s, GB/s, latency p50/p99 of what the trainers received."""
+    """Per TICK_S bin from t0: samples/s, GB/s, latency p50/p99 of what the trainers received, and the
+    backlog at each bin's end (handles put and acknowledged, not yet received by any trainer)."""
     if not gets:
-        return {"t": [], "samples": [], "gbps": [], "p50": [], "p99": []}
+        return {"t": [], "samples": [], "gbps": [], "p50": [], "p99": [], "backlog": []}
     last = max(g for _, g, _, _ in gets)
     n = int((last - t0) / TICK_S) + 1
     samples, nbytes, lat = np.zeros(n), np.zeros(n), [[] for _ in range(n)]
+    first: dict = {}
     for key, got, _, size in gets:
+        first[key] = min(got, first.get(key, got))
         i = int((got - t0) / TICK_S)
         if 0 <= i < n:
             samples[i] += 1
@@ -607,12 +611,17 @@ def _series(produced: dict, gets: list, t0: float, t_end: float) -> dict:
             if key in produced:
                 lat[i].append((got - produced[key][0]) * 1000)
     pct = lambda q: [float(np.percentile(x, q)) if x else float("nan") for x in lat]  # noqa: E731
+    ends = t0 + (np.arange(n) + 1) * TICK_S
+    put_at = np.sort([t for t, _ in produced.values()])
+    got_at = np.sort([first[key] for key in produced if key in first])
+    backlog = np.searchsorted(put_at, ends, side="right") - np.searchsorted(got_at, ends, side="right")
     return {
         "t": [i * TICK_S for i in range(n)],
         "samples": list(samples / TICK_S),
         "gbps": list(nbytes / TICK_S / 1e9),
         "p50": pct(50),
         "p99": pct(99),
+        "backlog": [int(b) for b in backlog],
         "end": t_end - t0,
     }
 
@@ -651,41 +660,102 @@ def _close_bar(bar) -> None:
         bar.close()
 
 
+FAULT_LABELS = {  # what each fault did, as the plot marks it
+    "collector": "collector SIGKILLed",
+    "trainer": "trainer SIGKILLed",
+    "redis": "Redis SIGKILLed",
+    "store": "SeaweedFS SIGKILLed",
+    "network": "connections cut 1 s",
+}
+
+
 def plot(series: dict, faults: list, path: str, title: str) -> None:
+    """Delivery over time: received samples/s and GB/s, put-to-trainer latency, backlog; faults marked.
+
+    Drawn at 1000 px wide (the docs' width); ``fleet.py --replot JSON`` redraws it from the JSON saved
+    beside the PNG.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    top.plot(series["t"], series["samples"], label="samples/s", color="tab:blue")
-    top.set_ylabel("samples/s")
-    right = top.twinx()
-    right.plot(series["t"], series["gbps"], label="GB/s", color="tab:orange", alpha=0.7)
-    right.set_ylabel("GB/s")
-    bottom.plot(series["t"], series["p50"], label="put-to-trainer p50", color="tab:green")
-    bottom.plot(series["t"], series["p99"], label="p99", color="tab:red")
-    bottom.set_yscale("log")
-    bottom.set_ylabel("latency (ms)")
-    bottom.set_xlabel("seconds since start")
-    for ax in (top, bottom):
-        if series.get("end"):
-            ax.axvspan(series["end"], max(series["t"] or [series["end"]]) + TICK_S, color="0.9", zorder=0)
-        for f in faults:
-            kind, t = f.split(":")
-            ax.axvline(float(t), color="k", linestyle=":", linewidth=1)
-    for f in faults:
-        kind, t = f.split(":")
-        top.annotate(
-            kind, (float(t), 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8
+    t, end = series["t"], series.get("end")
+    with plt.rc_context({"font.size": 11, "axes.titlesize": 11, "legend.fontsize": 10}):
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, figsize=(10, 8.4), sharex=True, gridspec_kw={"height_ratios": [1.1, 1, 0.8]}
         )
-    top.legend(loc="upper left")
-    right.legend(loc="upper right")
-    bottom.legend(loc="upper left")
-    top.set_title(title + " (grey: drain after the collectors stopped)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        top.plot(t, series["samples"], label="samples/s received (all trainers)", color="tab:blue")
+        top.set_ylabel("samples / s")
+        right = top.twinx()
+        right.plot(t, series["gbps"], label="GB/s received", color="tab:orange", alpha=0.7)
+        right.set_ylabel("GB / s")
+        top.set_ylim(0, (max(series["samples"], default=0) or 1) * 1.3)  # room for the legend
+        right.set_ylim(0, (max(series["gbps"], default=0) or 1) * 1.3)
+        seconds = lambda ms: [x / 1000 for x in ms]  # noqa: E731
+        middle.plot(t, seconds(series["p50"]), label="p50", color="tab:green", marker=".", markersize=5)
+        middle.plot(t, seconds(series["p99"]), label="p99", color="tab:red", marker=".", markersize=5)
+        middle.set_yscale("log")
+        middle.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g} s"))
+        middle.set_ylabel("put -> trainer\nlatency (log)")
+        backlog = series.get("backlog")
+        if backlog:
+            bottom.fill_between(t, backlog, step="post", color="tab:purple", alpha=0.35, linewidth=0)
+            bottom.step(t, backlog, where="post", color="tab:purple", label="handles waiting in the stream")
+            bottom.set_ylim(bottom=0)
+        bottom.set_ylabel("backlog\n(handles)")
+        bottom.set_xlabel("seconds since the fleet started (1 s bins)")
+        for ax in (top, middle, bottom):
+            ax.grid(alpha=0.3)
+            if end:
+                ax.axvspan(end, max(t or [end]) + TICK_S, color="0.9", zorder=0)
+            for f in faults:
+                ax.axvline(float(f.split(":")[1]), color="k", linestyle=":", linewidth=1.2)
+        marks = [(float(f.split(":")[1]), FAULT_LABELS.get(f.split(":")[0], f.split(":")[0])) for f in faults]
+        if end:
+            marks.append((end, "collectors stop, trainers drain"))
+        if marks:  # named above the plot, on a top axis, where no line or legend hides them
+            top.secondary_xaxis("top").set_xticks(
+                [at for at, _ in marks], [label.replace(" ", "\n", 1) for _, label in marks], fontsize=9
+            )
+        lines = top.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        top.legend(lines, [h.get_label() for h in lines], loc="upper left")
+        middle.legend(title="per 1 s bin", loc="upper left")
+        if backlog:
+            bottom.legend(loc="upper left")
+        top.set_title(title, fontsize=11)
+        fig.text(
+            0.01,
+            0.005,
+            "Dotted lines: faults injected; grey: the drain. Latency follows the backlog: a handle waits in the "
+            "stream behind those put before it.",
+            fontsize=9,
+            color="0.3",
+        )
+        fig.tight_layout(rect=(0, 0.02, 1, 1))
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def save_series(path: str, series: dict, faults: list, title: str, figures: dict) -> None:
+    """What ``plot`` draws, as JSON beside the PNG, so ``--replot`` redraws it without a run."""
+    nan_free = {
+        k: [None if isinstance(x, float) and math.isnan(x) else x for x in v] if isinstance(v, list) else v
+        for k, v in series.items()
+    }
+    with open(path, "w") as f:
+        json.dump({"title": title, "faults": faults, "series": nan_free, "figures": figures}, f, indent=1)
+
+
+def replot(json_path: str, png: str) -> None:
+    with open(json_path) as f:
+        saved = json.load(f)
+    series = {
+        k: [float("nan") if x is None else x for x in v] if isinstance(v, list) else v
+        for k, v in saved["series"].items()
+    }
+    plot(series, saved["faults"], png, saved["title"])
 
 
 COLUMNS = (
@@ -732,7 +802,8 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--drain-seconds", type=float, default=90.0)
     p.add_argument("--max-handles", type=int, default=100_000, help="at most this many puts in all")
     p.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="everysec")
-    p.add_argument("--plot", default="fleet.png", help="PNG to draw ('' for none)")
+    p.add_argument("--plot", default="fleet.png", help="PNG to draw ('' for none); its data goes beside it, as .json")
+    p.add_argument("--replot", metavar="JSON", help="only redraw --plot from a JSON saved beside an earlier PNG")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     bad = [k for k in ([] if a.faults in ("all", "none") else a.faults.split(",")) if k not in KINDS]
@@ -745,8 +816,12 @@ def parse(argv: list[str] | None = None):
     return a
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | None:
     args = parse(argv)
+    if args.replot:
+        replot(args.replot, args.plot)
+        print(f"drew {args.plot} from {args.replot}")
+        return None
     if args.store == "dir" and args.faults == "all":
         args.faults = ",".join(k for k in KINDS if k != "store")
     fleet = Fleet(args)
@@ -770,13 +845,14 @@ def main(argv: list[str] | None = None) -> dict:
         _kill_descendants()
         shutil.rmtree(fleet.work, ignore_errors=True)
     if args.plot:
-        plot(
-            fleet.series,
-            out["faults"],
-            args.plot,
-            f"{args.collectors} collectors, {args.trainers} trainers, {out['redis']} Redis, {args.store}, "
-            f"faults: {args.faults}",
+        store = "S3 (SeaweedFS)" if args.store == "s3" else "a shared directory"
+        title = (
+            f"fleet.py: {args.collectors} collectors x {args.trainers} trainers, {args.seconds:g} s producing, "
+            f"{out['redis']} Redis, {store}\nfaults: {args.faults}; {out['cpu_cores']['machine']} cores; "
+            f"{out['produced']} put, {out['lost']} lost"
         )
+        plot(fleet.series, out["faults"], args.plot, title)
+        save_series(os.path.splitext(args.plot)[0] + ".json", fleet.series, out["faults"], title, out)
         out["plot"] = args.plot
     print(table([out]))
     print(

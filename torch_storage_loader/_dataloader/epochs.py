@@ -36,12 +36,12 @@ class EpochCounters:
     def detach(self) -> EpochCounters:
         """Counters of its own, as they are now, for a copy that reached another trainer (a DDP rank)."""
         out = EpochCounters.__new__(EpochCounters)
-        out._shared = self._shared.clone().share_memory_()  # type: ignore[no-untyped-call]
+        out._shared = self._shared.clone().share_memory_()
         return out
 
     def ensure_shared(self) -> None:
         if not self._shared.is_shared():
-            self._shared.share_memory_()  # type: ignore[no-untyped-call]  # e.g. after copy.deepcopy
+            self._shared.share_memory_()  # e.g. after copy.deepcopy
 
     def set(self, epoch: int) -> None:
         """``set_epoch``: every later iteration uses ``epoch``."""

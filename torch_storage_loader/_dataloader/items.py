@@ -23,7 +23,7 @@ from . import hooks
 
 __all__ = ["STAT_KEYS", "WorkerCounts", "WorkerItem", "counts", "record"]
 
-_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 _stats_lock = threading.Lock()
 
 
@@ -60,7 +60,7 @@ class WorkerCounts:
 
     def ensure_shared(self) -> None:
         if not self._shared.is_shared():
-            self._shared.share_memory_()  # type: ignore[no-untyped-call]  # e.g. after copy.deepcopy
+            self._shared.share_memory_()  # e.g. after copy.deepcopy
 
     def add(self, worker: int, *, skipped: int = 0, refused: int = 0) -> None:
         """In worker ``worker``: it skipped ``skipped`` handles, and its source refused ``refused`` entries."""
@@ -97,7 +97,7 @@ class WorkerItem:
         self.uid, self.info = uid, info
         self.payload, self.filler = payload, filler
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         # The payload is unpickled first (it is an argument), then _receive counts it; the stats
         # travel as plain values, cheaper to unpickle than a FillInfo.
         info = self.info
@@ -117,7 +117,7 @@ def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool,
     return sample
 
 
-def _collate(batch: list[WorkerItem], *, collate_fn_map=None) -> Any:
+def _collate(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
     # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
     # sample there, and let the default path ship the collated batch (slower, but correct). For
     # device=, the collated batch goes back into a slot, to be copied to the device in one piece.

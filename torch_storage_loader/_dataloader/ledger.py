@@ -67,8 +67,8 @@ class LedgerRef(NamedTuple):
     report on, and (for a source the trainer feeds) one to read handles from, and the trainer's pid."""
 
     id: str
-    writers: list
-    feeds: list | None
+    writers: list[Any]
+    feeds: list[Any] | None
     trainer_pid: int
 
 
@@ -97,7 +97,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._stop_r, self._stop_w = os.pipe()  # b"a": acknowledgements to send; b"x": stop
         os.set_blocking(self._stop_w, False)  # a full pipe already holds a wake-up
-        self._acks: list = []  # delivered, to acknowledge from the thread (sources with slow acks)
+        self._acks: list[Any] = []  # delivered, to acknowledge from the thread (sources with slow acks)
         self._ack_behind = bool(source.ack_in_background)
         self._keep_every = source.keep_alive_every
         self._feeds: list[Any] | None = None  # the workers' read ends, until they have them
@@ -300,7 +300,7 @@ class Ledger:
     def _pop(self, keys: list[ItemKey]) -> list[Any]:
         return [t for k in keys for t in self._taken.pop(k, ())]
 
-    def _settle(self, ack: list, back: list, now: bool = False) -> None:
+    def _settle(self, ack: list[Any], back: list[Any], now: bool = False) -> None:
         if ack and self._ack_behind and not now:
             with self._lock:
                 self._acks.extend(ack)
@@ -341,8 +341,8 @@ class LedgerWriter:
     def _need(self, n: int) -> None:
         self._conn.send(Entry(NEED, self.incarnation, 0, [n]))
 
-    def took(self, item: int, tokens: list) -> None:
+    def took(self, item: int, tokens: list[Any]) -> None:
         self._conn.send(Entry(TAKE, self.incarnation, item, tokens))
 
-    def dropped(self, item: int, tokens: list) -> None:
+    def dropped(self, item: int, tokens: list[Any]) -> None:
         self._conn.send(Entry(DROP, self.incarnation, item, tokens))

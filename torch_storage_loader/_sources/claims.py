@@ -41,7 +41,7 @@ class Scan(NamedTuple):
     """One listing: whether the end marker is there, what is unclaimed (in claim order), and the rest."""
 
     ended: bool
-    unclaimed: list
+    unclaimed: list[Any]
     listing: Any
 
 

@@ -13,7 +13,7 @@ __all__ = ["END_OF_STREAM", "end_directory_stream", "marker_path", "start_direct
 END_OF_STREAM = "_END_OF_STREAM"
 
 
-def marker_path(path: str | os.PathLike) -> str:
+def marker_path(path: str | os.PathLike[str]) -> str:
     """Where the end marker of the stream in ``path`` (a directory or object-store prefix URL) lives."""
     path = os.fspath(path)
     if _objects.is_url(path):
@@ -21,7 +21,7 @@ def marker_path(path: str | os.PathLike) -> str:
     return os.path.join(path, END_OF_STREAM)
 
 
-def end_directory_stream(path: str | os.PathLike) -> None:
+def end_directory_stream(path: str | os.PathLike[str]) -> None:
     """Tell the consumers of a directory source (or object-store prefix) that no more files will come.
 
     Writes the marker ``_END_OF_STREAM`` into it (or writes it again: it is then newer than every file
@@ -42,7 +42,7 @@ def end_directory_stream(path: str | os.PathLike) -> None:
     os.utime(marker)  # an existing marker is rewritten too: it must be newer than the files it ends
 
 
-def start_directory_stream(path: str | os.PathLike) -> bool:
+def start_directory_stream(path: str | os.PathLike[str]) -> bool:
     """Start a new stream in a directory (or object-store prefix) where an earlier one ended.
 
     Removes the end marker that ``end_directory_stream`` left: without this, a consumer of the new

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..storage import Storage
@@ -21,7 +23,7 @@ class ListSource:
 
     finite = True
 
-    def __init__(self, handles) -> None:
+    def __init__(self, handles: Any) -> None:
         self.handles = list(handles)
         for i, h in enumerate(self.handles):
             if not isinstance(h, Storage):

@@ -89,16 +89,16 @@ class QueueSource:
                 return
             yield got
 
-    def ack(self, tokens: list) -> None:
+    def ack(self, tokens: list[Any]) -> None:
         pass
 
-    def fail(self, tokens: list) -> None:
+    def fail(self, tokens: list[Any]) -> None:
         pass
 
-    def keep_alive(self, tokens: list) -> None:
+    def keep_alive(self, tokens: list[Any]) -> None:
         pass
 
-    def give_back(self, tokens: list) -> None:
+    def give_back(self, tokens: list[Any]) -> None:
         """Put back handles taken and not delivered: tokens from ``take`` (handles) or from
         ``take_pickled`` (pickled handles)."""
         pickled = [t for t in tokens if type(t) is bytes]

@@ -199,8 +199,8 @@ def _views_into(mappings: set[str]) -> list[str]:
     out, seen = [], set()
     for holder in gc.get_objects():
         # type(), not isinstance(): some objects warn when their __class__ is read (torch's reduce_op)
-        # (a memoryview is tracked itself: one that nothing tracked holds is a candidate on its own)
-        own = issubclass(type(holder), (torch.Tensor, memoryview))
+        # (memoryviews and mmaps are tracked themselves: one that nothing tracked holds is a candidate)
+        own = issubclass(type(holder), (torch.Tensor, memoryview, mmap.mmap))
         candidates = [holder] if own else gc.get_referents(holder)
         # Containers that hold only untracked objects (a dict of arrays) are untracked themselves.
         for _ in range(3):
@@ -328,9 +328,16 @@ def no_leaks(request):
         f"{request.node.nodeid} left these behind (still there after {LEAK_WAIT_S:.0f} s and gc.collect()):\n"
         + "\n".join(lines)
     )
+    known = request.node.get_closest_marker("known_mapping_leak")
+    only_mappings = not any(
+        items for kind, items in leaked.items() if kind != "shared-memory mappings (/proc/self/maps)"
+    )
     if getattr(request.node, "_tsl_call_failed", False):
         # The test's traceback may hold the samples; its failure is what to look at first.
         request.node.add_report_section("teardown", "leaks (the test failed already)", report)
+    elif known is not None and only_mappings:
+        # An open bug, reported (pytest -rA shows it) rather than failed; anything else still fails.
+        request.node.add_report_section("teardown", f"known mapping leak ({known.args[0]})", report)
     else:
         pytest.fail(report, pytrace=False)
 

@@ -525,6 +525,10 @@ def open_bytes(path: str) -> bytes:
         return f.read()
 
 
+@pytest.mark.known_mapping_leak(
+    "in about half the whole-suite runs (never alone) one 20 KiB worker-ring mapping outlives this test with no "
+    "Python object left that holds it (the leak report's scan of gc objects, thread frames and memoryviews finds none)"
+)
 def test_files_read_in_one_go_still_have_their_own_header(tmp_path):
     """A worker reads a file of the last file's size in one preadv, as if it had the last file's
     header: files of that size whose header differs (other dtype, other key, damaged) are still

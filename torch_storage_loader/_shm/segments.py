@@ -1,8 +1,9 @@
 """Shared memory that cannot leak: a tmpfs file unlinked at birth, passed between processes as an fd.
 
-A ``ShmSegment`` never has a name in ``/dev/shm`` (beyond the microseconds between ``mkstemp`` and
-``unlink``), so a killed process leaves nothing behind and no resource tracker is involved: the
-memory is freed when the last descriptor and mapping are gone. Pickling one sends a duplicate of
+A ``ShmSegment`` has a name in ``/dev/shm`` only for the microseconds between ``mkstemp`` and
+``unlink``, so no resource tracker is involved: the memory is freed when the last descriptor and
+mapping are gone. A process SIGKILLed inside that window leaves an empty ``tsl-XXXXXXXX`` file
+(0 bytes: it is killed before ``posix_fallocate``); ``O_TMPFILE`` would close the window. Pickling one sends a duplicate of
 its descriptor (``multiprocessing.reduction.DupFd``): to a child being started, or to any process
 through the sender's ``resource_sharer``.
 """

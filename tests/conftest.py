@@ -18,17 +18,31 @@ import torch
 
 LEAK_WAIT_S = 10.0  # DataLoader workers exit, reaper threads unmap, finalizers run: all asynchronously
 
-# Our segments: ``tempfile.mkstemp(prefix="tsl-")`` in the shm directory, unlinked at once (see
-# ``_shm._create_fd``), so a mapping or descriptor of one reads ".../tsl-XXXXXXXX (deleted)". Any
-# directory counts: tests point $TORCH_STORAGE_LOADER_SHM_DIR elsewhere, and have undone that by the
-# time this fixture looks.
-_SEGMENT = re.compile(r"/tsl-[a-z0-9_]{8} \(deleted\)$")
+# Our segments: opened with O_TMPFILE in the shm directory, so a mapping or descriptor of one reads
+# "<shm dir>/#<inode> (deleted)"; where a filesystem refuses O_TMPFILE, ``tempfile.mkstemp(prefix="tsl-")``
+# unlinked at once, ".../tsl-XXXXXXXX (deleted)" (see ``_shm.segments._open_unnamed``). Unnamed files
+# count in /dev/shm and in $TORCH_STORAGE_LOADER_SHM_DIR as it is when the fixture looks (never in /tmp,
+# where pytest's own capture files are unnamed too); "tsl-" files in any directory.
+_NAMED = re.compile(r"/tsl-[a-z0-9_]{8} \(deleted\)$")
+_UNNAMED = re.compile(r"(/.*)/#[0-9]+ \(deleted\)$")
+
+
+def is_segment(target: str) -> bool:
+    """Whether ``target`` (a /proc link target, or the path column of /proc/<pid>/maps) is one of our segments."""
+    if _NAMED.search(target):
+        return True
+    unnamed = _UNNAMED.fullmatch(target)
+    if unnamed is None:
+        return False
+    dirs = {"/dev/shm", os.environ.get("TORCH_STORAGE_LOADER_SHM_DIR", "/dev/shm")}
+    return unnamed.group(1) in {os.path.realpath(d) for d in dirs}
 
 
 def _our_mappings() -> set[str]:
     """Lines of /proc/self/maps that map one of our segments (the address range tells them apart)."""
     with open("/proc/self/maps") as f:
-        return {line.rstrip("\n") for line in f if _SEGMENT.search(line.rstrip("\n"))}
+        lines = [line.rstrip("\n") for line in f]
+    return {line for line in lines if len(parts := line.split(None, 5)) == 6 and is_segment(parts[5])}
 
 
 def _our_fds() -> set[str]:
@@ -39,7 +53,7 @@ def _our_fds() -> set[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # closed meanwhile (or the descriptor of the listing itself)
-        if _SEGMENT.search(target):
+        if is_segment(target):
             out.add(f"{fd} -> {target}")
     return out
 

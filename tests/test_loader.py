@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from torch_storage_loader import (
     StorageNotFoundError,
     WorkerDiedError,
 )
-from torch_storage_loader._shm.segments import ShmSegment
+from torch_storage_loader._shm.segments import ShmSegment, shm_dir
 
 
 def collect(loader, storages, keep=True, timeout=60):
@@ -245,6 +246,19 @@ def test_too_little_shared_memory_is_a_clear_error():
     with pytest.raises(InsufficientSharedMemoryError, match="--shm-size") as info:
         ShmSegment(1 << 52)
     assert info.value.needed == 1 << 52
+
+
+def test_a_segment_never_has_a_name_that_a_kill_could_leave_behind():
+    """Segments are opened with O_TMPFILE: no ``tsl-*`` name exists, even for a moment, so a process
+    SIGKILLed while it makes one leaves no empty file in /dev/shm (mkstemp + unlink left one)."""
+    before = set(os.listdir(shm_dir()))
+    seg = ShmSegment(1 << 16)
+    try:
+        target = os.readlink(f"/proc/self/fd/{seg._fd}")
+        assert re.fullmatch(re.escape(os.path.realpath(shm_dir())) + r"/#[0-9]+ \(deleted\)", target), target
+    finally:
+        seg.close()
+    assert set(os.listdir(shm_dir())) <= before
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The workers' memory policy (issue 7, bug 4), end to end: real worker processes, files and shared memory.
 
 Shared memory is measured per segment, not with statvfs of /dev/shm (other processes share that
-filesystem): ``shm_held()`` sums the tmpfs pages of every ``tsl-*`` segment that this process or
+filesystem): ``shm_held()`` sums the tmpfs pages of every one of our segments (``conftest.is_segment``) that this process or
 one of its descendants (loader or DataLoader workers) maps or holds a descriptor of, each once.
 """
 
@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import is_segment
 from torch.utils.data import DataLoader
 
 from torch_storage_loader import FileStorage, FileStorageLoader, SampleTooLargeError, StorageDataset
@@ -30,17 +31,10 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 # --------------------------------------------------------------------------------- measuring
-def _is_ours(target: str) -> bool:
-    path = target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target
-    return os.path.dirname(path) == os.path.realpath(shm_dir()).rstrip("/") and os.path.basename(path).startswith(
-        "tsl-"
-    )
-
-
 def our_mappings() -> int:
     """Lines of /proc/self/maps that map one of our shared-memory segments."""
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if len(parts := line.split(None, 5)) == 6 and _is_ours(parts[5].rstrip("\n")))
+        return sum(1 for line in f if len(parts := line.split(None, 5)) == 6 and is_segment(parts[5].rstrip("\n")))
 
 
 def our_fds() -> int:
@@ -48,7 +42,7 @@ def our_fds() -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += _is_ours(os.readlink(f"/proc/self/fd/{fd}"))
+            n += is_segment(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:
             pass
     return n
@@ -84,7 +78,7 @@ def shm_held() -> int:
             for e in entries:
                 p = f"/proc/{pid}/{kind}/{e}"
                 try:
-                    if not _is_ours(os.readlink(p)):
+                    if not is_segment(os.readlink(p)):
                         continue
                     st = os.stat(p)
                 except OSError:

@@ -1,10 +1,11 @@
 """Shared memory that cannot leak: a tmpfs file unlinked at birth, passed between processes as an fd.
 
-A ``ShmSegment`` has a name in ``/dev/shm`` only for the microseconds between ``mkstemp`` and
-``unlink``, so no resource tracker is involved: the memory is freed when the last descriptor and
-mapping are gone. A process SIGKILLed inside that window leaves an empty ``tsl-XXXXXXXX`` file
-(0 bytes: it is killed before ``posix_fallocate``); ``O_TMPFILE`` would close the window. Pickling one sends a duplicate of
-its descriptor (``multiprocessing.reduction.DupFd``): to a child being started, or to any process
+A ``ShmSegment`` is opened with ``O_TMPFILE``: it never has a name, so no resource tracker is
+involved, a process killed at any point leaves nothing behind, and the memory is freed when the last
+descriptor and mapping are gone (``/proc/<pid>/maps`` shows it as ``<dir>/#<inode> (deleted)``).
+Where the filesystem refuses ``O_TMPFILE``, ``mkstemp`` and an immediate ``unlink`` stand in: a
+``tsl-XXXXXXXX`` name for microseconds, and an empty file left if the process is SIGKILLed inside
+that window. Pickling one sends a duplicate of its descriptor (``multiprocessing.reduction.DupFd``): to a child being started, or to any process
 through the sender's ``resource_sharer``.
 """
 
@@ -66,13 +67,24 @@ def _too_small(size: int, free: int, where: str, purpose: str) -> InsufficientSh
     )
 
 
+def _open_unnamed(where: str) -> int:
+    """A new empty file in ``where`` that has no name (``O_TMPFILE``), or whose name is already gone."""
+    try:
+        return os.open(where, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, OSError) as exc:  # not Linux, or a filesystem without O_TMPFILE support
+        if isinstance(exc, OSError) and exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, name = tempfile.mkstemp(prefix="tsl-", dir=where)
+    os.unlink(name)
+    return fd
+
+
 def _create_fd(size: int, purpose: str) -> int:
     where = shm_dir()
     free = free_shm_bytes(where)
     if size > free:
         raise _too_small(size, free, where, purpose)
-    fd, name = tempfile.mkstemp(prefix="tsl-", dir=where)
-    os.unlink(name)
+    fd = _open_unnamed(where)
     try:
         try:
             # Reserve every page now: running out later would be a SIGBUS on first touch.

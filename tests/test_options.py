@@ -4,9 +4,14 @@ type expected (issue 28: ``batch_size="16"`` used to fail later with ``'<' not s
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 
 from torch_storage_loader import FileStorage, FileStorageLoader, RedisStorageQueue, StorageDataset, StorageQueue
+from torch_storage_loader._redis.options import Options
+from torch_storage_loader.dataset import DatasetOptions
 
 HANDLES = [FileStorage("x.tsl")]
 REDIS = ("redis://127.0.0.1:1/0", "s")  # never reached: the options are checked first
@@ -119,3 +124,48 @@ def test_a_value_out_of_range_is_still_a_value_error(make, message):
     with pytest.raises(ValueError) as caught:
         make()
     assert str(caught.value) == message
+
+
+def _keywords(init):
+    """A constructor's keyword-only parameters: name -> (default, annotation as written)."""
+    parameters = inspect.signature(init).parameters.values()
+    return {p.name: (p.default, p.annotation) for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+def test_the_dataset_and_the_data_module_spell_the_dataset_options_alike():
+    """Their signatures stay explicit (the docs and IDEs show them): the one definition is
+    DatasetOptions, and both mirror it, with the same defaults and annotations."""
+    from torch_storage_loader.lightning import StorageDataModule
+
+    dataset = _keywords(StorageDataset.__init__)
+    assert list(dataset) == [field.name for field in dataclasses.fields(DatasetOptions)]
+    module = _keywords(StorageDataModule.__init__)
+    assert {name: module.get(name) for name in dataset} == dataset
+
+
+def test_the_redis_queue_s_parameters_are_its_options():
+    parameters = [name for name in inspect.signature(RedisStorageQueue.__init__).parameters if name != "retry_for"]
+    assert parameters == ["self", *(field.name for field in dataclasses.fields(Options))]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": "16"},
+        {"batch_size": 0},
+        {"collate_fn": list},
+        {"slots_per_worker": 0},
+        {"max_shm_bytes": 0},
+        {"on_error": "ignore"},
+        {"shuffle": 1},
+        {"seed": "0", "drop_last": "no"},  # the first one checked is named by both
+    ],
+    ids=repr,
+)
+def test_a_misconfigured_option_raises_the_same_error_from_the_dataset_and_the_data_module(options):
+    with pytest.raises((TypeError, ValueError)) as from_dataset:
+        StorageDataset(HANDLES, **options)
+    with pytest.raises((TypeError, ValueError)) as from_module:
+        _data_module(**options)
+    assert type(from_module.value) is type(from_dataset.value)
+    assert str(from_module.value) == str(from_dataset.value)

@@ -5,11 +5,25 @@ and the type given (``batch_size='16' must be an int >= 1 (or None), got str``),
 whatever comparison or arithmetic first trips on it. ``bool`` is an ``int`` to Python but never a
 count or a size here: ``worker_num=True`` is refused. A value of the right type out of range is a
 ``ValueError`` saying the range (and what None means, where None is allowed).
+
+``take`` makes a public class's options record (a frozen dataclass that checks its fields as it is
+made: their one list and check) from the ``locals()`` of a constructor whose keyword parameters
+mirror its fields; the signature stays explicit for the docs and IDEs, tests/test_options.py asserts
+that the two agree.
 """
 
 from __future__ import annotations
 
-__all__ = ["check_option"]
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["check_option", "take"]
+
+T = TypeVar("T", bound="DataclassInstance")
 
 _KIND = {int: "an int", float: "a number", bool: "a bool", str: "a string"}
 
@@ -46,3 +60,16 @@ def check_option(
         raise TypeError(f"{name}={value!r} must be {_KIND[kind]}{bound}{either}, got {type(value).__name__}")
     if (least is not None and not value >= least) or (above is not None and not value > above):  # type: ignore[operator]
         raise ValueError(f"{name}={value!r} must be{bound}" + (f", or None {none}" if none is not None else ""))
+
+
+def take(cls: type[T], values: Mapping[str, Any]) -> T:
+    """``cls`` made (so checked) from the values of its fields' names in ``values``.
+
+    Args:
+        cls: The options dataclass.
+        values: The ``locals()`` of the constructor whose parameters mirror ``cls``'s fields.
+
+    Returns:
+        The options; ``cls`` raises ``TypeError`` or ``ValueError`` naming the first one that is wrong.
+    """
+    return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})

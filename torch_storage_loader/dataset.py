@@ -7,7 +7,7 @@ trainer dropped every tensor viewing it; when none is free the worker uses a seg
 for that sample (counted as a fallback), so keeping batches never deadlocks and never sees them
 change. With ``num_workers=0`` samples are read into private memory in the trainer's process.
 
-Size: about 660 lines (400 of code, 190 of docstrings: the users' reference), because
+Size: about 640 lines (390 of code, 175 of docstrings: the users' reference), because
 ``StorageDataset`` is torch's dataset protocol (iteration, length, ``state_dict``, ``set_epoch``,
 pickling into workers and DDP ranks, ``stats``) over finite and streaming sources alike; what it
 uses has its own home already (``_sources``, ``_dataloader.epochs``, ``_dataloader.items``,
@@ -20,6 +20,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ._dataloader.epochs import EpochCounters
 from ._dataloader.items import WorkerCounts, WorkerItem, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._format import trust as _trust
-from ._options import check_option
+from ._options import check_option, take
 from ._shm import device as _device
 from ._shm.alloc import check_slot_options
 from ._shm.filling import FillInfo, LocalFiller, SlotFiller
@@ -52,7 +53,43 @@ def _live_dist() -> tuple[int, int]:
     return 0, 1
 
 
-# Size: about 370 lines, a third of them its documentation; see the module.
+@dataclass(frozen=True)
+class DatasetOptions:
+    """``StorageDataset``'s options (all but ``source``), checked as they are made: their one list and
+    check. ``StorageDataModule`` makes them from its own, so its mistakes raise at construction."""
+
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Callable[[list[Any]], Any] | None
+    slots_per_worker: int
+    max_rings_per_worker: int
+    max_shm_bytes: int | None
+    on_error: str
+    shuffle: bool
+    seed: int
+    storage_options: dict[str, Any] | None  # these three are checked by the dataset, with its source
+    trusted_roots: list[str] | None
+    device: str | torch.device | None
+
+    def __post_init__(self) -> None:
+        check_option("shuffle", self.shuffle, bool)
+        check_option("seed", self.seed, int)
+        check_option("drop_last", self.drop_last, bool)
+        check_option("batch_size", self.batch_size, int, least=1, none="for single samples")
+        if self.collate_fn is not None and self.batch_size is None:
+            raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
+        check_slot_options(
+            slots_per_worker=self.slots_per_worker,
+            max_rings_per_worker=self.max_rings_per_worker,
+            max_shm_bytes=self.max_shm_bytes,
+        )
+        on_error = self.on_error
+        check_option("on_error", on_error, str)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+
+
+# Size: about 540 lines, a third of them its documentation; see the module.
 class StorageDataset(IterableDataset[Any]):
     """An ``IterableDataset`` of the samples behind storage handles.
 
@@ -160,17 +197,7 @@ class StorageDataset(IterableDataset[Any]):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.check_options(
-            batch_size=batch_size,
-            drop_last=drop_last,
-            collate_fn=collate_fn,
-            slots_per_worker=slots_per_worker,
-            max_rings_per_worker=max_rings_per_worker,
-            max_shm_bytes=max_shm_bytes,
-            on_error=on_error,
-            shuffle=shuffle,
-            seed=seed,
-        )
+        take(DatasetOptions, locals())  # checks them
         self.device = _device.normalize(device)  # None, or a device this process copies samples to
         roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
         self.source = as_source(source, roots)
@@ -210,51 +237,6 @@ class StorageDataset(IterableDataset[Any]):
         self._per_item = 1  # DataLoader-side batch size, the same way
         self._ledger: LedgerRef | None = None  # while a DataLoader starts its workers: see _tsl_attach_ledger
         self._writer: LedgerWriter | None = None  # this worker's end of it
-
-    @staticmethod
-    def check_options(
-        *,
-        batch_size: int | None = None,
-        drop_last: bool = False,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        slots_per_worker: int = 4,
-        max_rings_per_worker: int = 8,
-        max_shm_bytes: int | None = None,
-        on_error: str = "raise",
-        shuffle: bool = False,
-        seed: int = 0,
-        **_: Any,
-    ) -> None:
-        """Validate the dataset's options without making one (``StorageDataModule`` checks its own with it).
-
-        Args:
-            batch_size: As for the dataset.
-            drop_last: As for the dataset.
-            collate_fn: As for the dataset.
-            slots_per_worker: As for the dataset.
-            max_rings_per_worker: As for the dataset.
-            max_shm_bytes: As for the dataset.
-            on_error: As for the dataset.
-            shuffle: As for the dataset.
-            seed: As for the dataset.
-            **_: Any other option, ignored, so a caller can pass all its keyword arguments.
-
-        Raises:
-            TypeError: an option of the wrong type, naming it.
-            ValueError: an option out of range, or ``collate_fn`` without ``batch_size``, naming it.
-        """
-        check_option("shuffle", shuffle, bool)
-        check_option("seed", seed, int)
-        check_option("drop_last", drop_last, bool)
-        check_option("batch_size", batch_size, int, least=1, none="for single samples")
-        if collate_fn is not None and batch_size is None:
-            raise ValueError("collate_fn needs batch_size: the dataset collates its own batches")
-        check_slot_options(
-            slots_per_worker=slots_per_worker, max_rings_per_worker=max_rings_per_worker, max_shm_bytes=max_shm_bytes
-        )
-        check_option("on_error", on_error, str)
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
 
     def _buckets(self, roots: _trust.Roots) -> list[str]:
         """The buckets (``proto://bucket``) ``storage_options`` are for; ValueError when there are none."""

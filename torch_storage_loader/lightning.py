@@ -17,9 +17,9 @@ import torch
 from ._dataloader import hooks
 from ._dataloader.consumed import ConsumedStateLoader
 from ._optional import require
-from ._options import check_option
+from ._options import check_option, take
 from ._shm.slots import retire_rings
-from .dataset import StorageDataset
+from .dataset import DatasetOptions, StorageDataset
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -104,21 +104,9 @@ class StorageDataModule(pl.LightningDataModule):
         check_option("prefetch_factor", prefetch_factor, int, least=1, none="for the DataLoader's default")
         check_option("persistent_workers", persistent_workers, bool, none="for: when there are workers")
         check_option("pin_memory", pin_memory, bool)
-        # What every StorageDataset of this module is made with (shuffle: the train one's only).
-        self._dataset_options: dict[str, Any] = dict(
-            batch_size=batch_size,
-            drop_last=drop_last,
-            collate_fn=collate_fn,
-            slots_per_worker=slots_per_worker,
-            max_rings_per_worker=max_rings_per_worker,
-            max_shm_bytes=max_shm_bytes,
-            on_error=on_error,
-            seed=seed,
-            storage_options=storage_options,
-            trusted_roots=trusted_roots,
-            device=device,
-        )
-        StorageDataset.check_options(shuffle=shuffle, **self._dataset_options)  # errors now, not at fit
+        # What every StorageDataset of this module is made with, checked now, not at fit (shuffle: the
+        # train one's only; batch_size: this module's, which Lightning's batch-size tuner may change).
+        self._dataset_options = take(DatasetOptions, locals())
         # Credentials never reach hparams (logged, checkpointed).
         self.save_hyperparameters(ignore=["source", "val_source", "collate_fn", "storage_options"])
         self.source = source
@@ -146,7 +134,9 @@ class StorageDataModule(pl.LightningDataModule):
         """Nothing to download or write: producers fill the source."""
 
     def _dataset(self, source: Any, shuffle: bool = False) -> StorageDataset:
-        return StorageDataset(source, shuffle=shuffle, **{**self._dataset_options, "batch_size": self.batch_size})
+        return StorageDataset(
+            source, **{**vars(self._dataset_options), "batch_size": self.batch_size, "shuffle": shuffle}
+        )
 
     def _quiet_len_warning(self, on: bool) -> None:
         entry: Any = getattr(self, "_len_filter", None)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._format import trust as _trust
+from ._options import take
 from ._redis import admin as _admin
 from ._redis.client import Client
 from ._redis.conn import redact_url
@@ -36,7 +37,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Size: 116 lines of code, delegating to _redis/; the other 205 are docstrings, this queue's reference for users.
+# Size: 86 lines of code, delegating to _redis/; the other 205 are docstrings, this queue's reference for users.
 class RedisStorageQueue:
     """Handles flow from producers on any machine to consumers on any machine, at least once.
 
@@ -126,47 +127,16 @@ class RedisStorageQueue:
         retry_for: float | None = None,
     ) -> None:
         retry_timeout = renamed_retry_for(retry_timeout, retry_for)
-        o = Options.check(
-            url,
-            stream,
-            group=group,
-            claim_after=claim_after,
-            producer_timeout=producer_timeout,
-            retry_timeout=retry_timeout,
-            prefetch=prefetch,
-            allow_pickle=allow_pickle,
-            trusted_roots=trusted_roots,
-            cluster=cluster,
-            replicas=replicas,
-        )
-        self._options, self.stream, self.group = o, o.stream, o.group
-        self.claim_after, self.producer_timeout, self.retry_timeout = o.claim_after, o.producer_timeout, o.retry_timeout
-        self.prefetch, self.allow_pickle, self.cluster, self.replicas = (
-            o.prefetch,
-            o.allow_pickle,
-            o.cluster,
-            o.replicas,
-        )
+        o = self._options = take(Options, locals())  # checks them
+        self.stream, self.group, self.claim_after = o.stream, o.group, o.claim_after
+        self.producer_timeout, self.retry_timeout, self.prefetch = o.producer_timeout, o.retry_timeout, o.prefetch
+        self.allow_pickle, self.cluster, self.replicas = o.allow_pickle, o.cluster, o.replicas
         self._redis = Client(o)
         self._producers = Producers(self._redis)
         self._reader = Consumer(self._redis, self._producers)
 
     def __getstate__(self) -> dict[str, Any]:
-        o = self._options
-        return {
-            "url": o.url,
-            "stream": o.stream,
-            "group": o.group,
-            "claim_after": o.claim_after,
-            "producer_timeout": o.producer_timeout,
-            "retry_timeout": o.retry_timeout,
-            "prefetch": o.prefetch,
-            "allow_pickle": o.allow_pickle,
-            "trusted_roots": o.roots,
-            "cluster": o.cluster,
-            "replicas": o.replicas,
-            "epoch": self._redis.epoch,
-        }
+        return {**vars(self._options), "epoch": self._redis.epoch}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         url, stream, epoch = state.pop("url"), state.pop("stream"), state.pop("epoch", None)
@@ -188,7 +158,8 @@ class RedisStorageQueue:
     @property
     def trusted_roots(self) -> list[str]:
         """The directories and ``proto://bucket/prefix`` roots handles read from this queue must lie under."""
-        return list(self._options.roots.dirs) + self._options.roots.urls()
+        roots = self._options.trusted_roots
+        return list(roots.dirs) + roots.urls()
 
     def disconnect(self) -> None:
         """Close this process's connections to Redis (the stream is untouched; the next call reconnects)."""
@@ -394,7 +365,7 @@ class RedisStorageQueue:
         if not extra:
             return RedisSource(self)
         state = self.__getstate__()
-        state["trusted_roots"] = self._options.roots | extra
+        state["trusted_roots"] = self._options.trusted_roots | extra
         queue = RedisStorageQueue.__new__(RedisStorageQueue)
         queue.__setstate__(state)
         return RedisSource(queue)

@@ -164,7 +164,7 @@ class Consumer:
 
     def _hand_out(self) -> tuple[str, Storage]:
         token, item = self.buffer.popleft()
-        if isinstance(item, UntrustedStorageError) and not self.options.roots:
+        if isinstance(item, UntrustedStorageError) and not self.options.trusted_roots:
             # Not an attack but a misconfiguration: this consumer trusts no root at all. Loud, and it
             # loses nothing: the entry (and what was read with it) goes back for a configured consumer.
             tokens = [token] + [t for t, _ in self.buffer]
@@ -194,7 +194,7 @@ class Consumer:
     def take(self, entries: list[Any]) -> int:
         """Decode ``entries`` into the buffer (handles, or the errors refusing them); how many there were."""
         o = self.options
-        self.buffer.extend(_records.decode(entries, o.stream, allow_pickle=o.allow_pickle, roots=o.roots))
+        self.buffer.extend(_records.decode(entries, o.stream, allow_pickle=o.allow_pickle, roots=o.trusted_roots))
         return len(entries)
 
     def _read(self) -> int:

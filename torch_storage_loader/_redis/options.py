@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from dataclasses import dataclass
 
 from .._format import trust as _trust
 from .._options import check_option
@@ -17,8 +17,10 @@ TRIM_EVERY_S = 1.0
 MAX_OUTSTANDING = 65536
 
 
-class Options(NamedTuple):
-    """What a ``RedisStorageQueue`` was made with (its pickled state, less the stream's epoch)."""
+@dataclass(frozen=True)
+class Options:
+    """What a ``RedisStorageQueue`` was made with, checked as it is made: the one list and check of
+    its options (its signature holds their defaults), and its pickled state, less the stream's epoch."""
 
     url: str
     stream: str
@@ -28,29 +30,15 @@ class Options(NamedTuple):
     retry_timeout: float
     prefetch: int
     allow_pickle: bool
-    roots: _trust.Roots
+    trusted_roots: _trust.Roots  # given as the queue's trusted_roots= (a list, None), kept checked
     cluster: bool
     replicas: int
 
-    @classmethod
-    def check(
-        cls,
-        url: str,
-        stream: str,
-        *,
-        group: str,
-        claim_after: float,
-        producer_timeout: float,
-        retry_timeout: float,
-        prefetch: int,
-        allow_pickle: bool,
-        trusted_roots: Any,
-        cluster: bool,
-        replicas: int,
-    ) -> Options:
-        """The options, or ``ValueError``/``TypeError`` naming the first one that is wrong."""
-        check_option("cluster", cluster, bool)
-        _conn.check(url, cluster, _conn.redact_url(str(url)))
+    def __post_init__(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the first option that is wrong; keep the durations as floats."""
+        check_option("cluster", self.cluster, bool)
+        _conn.check(self.url, self.cluster, _conn.redact_url(str(self.url)))
+        stream, group = self.stream, self.group
         check_option("stream", stream, str)
         if not stream:
             raise ValueError(f"{stream=} must be a non-empty string")
@@ -62,26 +50,15 @@ class Options(NamedTuple):
         check_option("group", group, str)
         if not group:
             raise ValueError(f"{group=} must be a non-empty string")
-        check_option("claim_after", claim_after, float, above=0)
-        check_option("producer_timeout", producer_timeout, float, above=0)
-        check_option("retry_timeout", retry_timeout, float, least=0)
-        check_option("prefetch", prefetch, int, least=1)
-        check_option("replicas", replicas, int, least=0)
-        check_option("allow_pickle", allow_pickle, bool)
-        roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
-        return cls(
-            url,
-            stream,
-            group,
-            float(claim_after),
-            float(producer_timeout),
-            float(retry_timeout),
-            prefetch,
-            allow_pickle,
-            roots,
-            cluster,
-            replicas,
-        )
+        check_option("claim_after", self.claim_after, float, above=0)
+        check_option("producer_timeout", self.producer_timeout, float, above=0)
+        check_option("retry_timeout", self.retry_timeout, float, least=0)
+        check_option("prefetch", self.prefetch, int, least=1)
+        check_option("replicas", self.replicas, int, least=0)
+        check_option("allow_pickle", self.allow_pickle, bool)
+        object.__setattr__(self, "trusted_roots", _trust.roots(self.trusted_roots))  # ValueError naming it
+        for name in ("claim_after", "producer_timeout", "retry_timeout"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def shown(self) -> str:

@@ -14,13 +14,10 @@ __all__ = [
     "PinRefused",
     "PinThreadUnavailable",
     "ProducerDiedError",
-    "RedisStreamLayoutError",
     "RedisStreamLostError",
-    "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
-    "SampleTooLargeForDeviceError",
     "ShmTransportError",
     "SlotPinningWarning",
     "StorageCorruptError",
@@ -28,7 +25,6 @@ __all__ = [
     "StorageNotFoundError",
     "StorageUnavailableError",
     "StreamEndedError",
-    "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "UnsupportedTorchError",
     "UntrustedStorageError",
@@ -98,9 +94,10 @@ class InsufficientSharedMemoryError(StorageError, MemoryError):
     """Not enough shared memory for the slots; the message says how much is needed and how to fix it."""
 
 
-class SampleTooLargeError(InsufficientSharedMemoryError):
-    """A sample's data section is larger than one worker's share of ``max_shm_bytes`` (without
-    workers: than ``max_shm_bytes``, which bounds a sample's private memory then)."""
+class SampleTooLargeError(StorageError, MemoryError):
+    """A sample (or batch) does not fit where it must go: one worker's share of ``max_shm_bytes``
+    (without workers: ``max_shm_bytes``, which bounds a sample's private memory then), or the free
+    memory of ``device=``. ``path`` names the file and ``needed`` its size; the message says the fix."""
 
 
 class ShmTransportError(StorageError, RuntimeError):
@@ -133,29 +130,21 @@ def unpack_exception(exc: BaseException, tb: str) -> BaseException:
 
 
 class HandleRecordError(StorageError, ValueError):
-    """A handle record from a network queue is malformed (not JSON, a pickle, wrong fields)."""
-
-
-class UnregisteredStorageTypeError(StorageError, TypeError):
-    """A handle's type is not allow-listed for network queues. ``type_name`` names it."""
-
-
-class RedisUnavailableError(StorageError, ConnectionError):
-    """Redis could not be reached (or refused the credentials) after retries. ``url`` has no password."""
+    """A handle cannot cross a network queue: its record is malformed (not JSON, a pickle, wrong
+    fields), or its Storage type is not registered (``type_name`` names it then; the fix is
+    ``register_storage_type``). ``put`` raises it; ``get`` acknowledges such an entry, counts it as
+    refused, and raises it."""
 
 
 class StorageUnavailableError(StorageError, ConnectionError):
-    """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+    """Redis or an object store could not be reached, or refused the credentials, after retries.
+    ``url`` names it (without its password)."""
 
 
 class StreamEndedError(StorageError, RuntimeError):
     """A consumer would start on a directory (or object-store prefix) stream that has already ended: its
     end marker is there and every file it ended was delivered, or files were saved after it. ``path``
     names the marker; ``start_directory_stream`` removes it, so a new stream can start."""
-
-
-class SampleTooLargeForDeviceError(StorageError, MemoryError):
-    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large."""
 
 
 class SlotPinningWarning(RuntimeWarning):
@@ -172,15 +161,12 @@ class PinThreadUnavailable(RuntimeError):
 
 
 class RedisStreamLostError(StorageError, RuntimeError):
-    """A Redis stream this process was using vanished: its identity (epoch) key, its stream or its
-    consumer group is gone or was made anew (Redis restarted without persistence, a failover lost
-    unreplicated writes, FLUSHALL, eviction, or ``delete()``). What it held is gone; ``stream`` and
-    ``url`` (no password) name it."""
-
-
-class RedisStreamLayoutError(StorageError, ValueError):
-    """A Redis key that a ``RedisStorageQueue`` would use as its stream exists but was not made by
-    this version of the queue (an older key layout, or something else's key). ``stream`` names it."""
+    """The Redis stream a ``RedisStorageQueue`` names is not the one it made: it vanished or was made
+    anew while in use (its identity (epoch) key, stream or consumer group is gone: Redis restarted
+    without persistence, a failover lost unreplicated writes, FLUSHALL, eviction, or ``delete()``), or
+    its key exists but was not made by this version of the queue (an older key layout, or something
+    else's key). Either way, start a new stream: another name, or ``delete()`` this one first.
+    ``stream`` and ``url`` (no password) name it."""
 
 
 class UntrustedStorageError(StorageError, PermissionError):

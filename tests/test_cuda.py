@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from torch_storage_loader import (
     FileStorage,
     FileStorageLoader,
-    SampleTooLargeError,
+    SampleTooLargeForDeviceError,
     StorageDataset,
     StorageQueue,
 )
@@ -193,7 +193,7 @@ def test_device_sample_too_large(files):
     torch.cuda.set_per_process_memory_fraction(1e-5)  # about 1.4 MB of an H200
     try:
         it = iter(DataLoader(StorageDataset(files, batch_size=4, device="cuda"), batch_size=None, num_workers=1))
-        with pytest.raises(SampleTooLargeError, match=r"0000\.tsl.* needs 4\.0 MiB on cuda:0, which has"):
+        with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 4\.0 MiB on cuda:0, which has"):
             next(it)
         del it
     finally:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from torch_storage_loader import (
     FileStorage,
     FileStorageLoader,
-    SampleTooLargeError,
+    SampleTooLargeForDeviceError,
     SlotPinningWarning,
     StorageDataset,
     StorageQueue,
@@ -283,7 +283,7 @@ def test_device_with_a_streaming_source(gpu, tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_sample_too_large_for_the_device(gpu, files, num_workers):
     it = iter(DataLoader(StorageDataset(files, device="cpu", batch_size=4), batch_size=None, num_workers=num_workers))
-    with pytest.raises(SampleTooLargeError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu, which has"):
+    with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu, which has"):
         next(it)
     del it
 

@@ -16,6 +16,7 @@ from .errors import ProducerDiedError as ProducerDiedError
 from .errors import RedisStreamLostError as RedisStreamLostError
 from .errors import SampleMismatchError as SampleMismatchError
 from .errors import SampleTooLargeError as SampleTooLargeError
+from .errors import SampleTooLargeForDeviceError as SampleTooLargeForDeviceError
 from .errors import ShmTransportError as ShmTransportError
 from .errors import SlotPinningWarning as SlotPinningWarning
 from .errors import StorageCorruptError as StorageCorruptError

@@ -92,7 +92,7 @@ class StorageDataset(IterableDataset[Any]):
     waits for it, and its slot goes back to the worker once the copy is done. ``"cuda"`` is the
     current device of the process creating the DataLoader iterator. Strings, bytes and other
     non-tensor leaves stay on the host; a sample too large for the device raises
-    ``SampleTooLargeError``. Leave ``pin_memory`` off with it (it changes nothing with
+    ``SampleTooLargeForDeviceError``. Leave ``pin_memory`` off with it (it changes nothing with
     workers, and with ``num_workers=0`` torch cannot pin device tensors).
 
     Args:

@@ -18,6 +18,7 @@ __all__ = [
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
+    "SampleTooLargeForDeviceError",
     "ShmTransportError",
     "SlotPinningWarning",
     "StorageCorruptError",
@@ -94,10 +95,9 @@ class InsufficientSharedMemoryError(StorageError, MemoryError):
     """Not enough shared memory for the slots; the message says how much is needed and how to fix it."""
 
 
-class SampleTooLargeError(StorageError, MemoryError):
-    """A sample (or batch) does not fit where it must go: one worker's share of ``max_shm_bytes``
-    (without workers: ``max_shm_bytes``, which bounds a sample's private memory then), or the free
-    memory of ``device=``. ``path`` names the file and ``needed`` its size; the message says the fix."""
+class SampleTooLargeError(InsufficientSharedMemoryError):
+    """A sample's data section is larger than one worker's share of ``max_shm_bytes`` (without
+    workers: than ``max_shm_bytes``, which bounds a sample's private memory then)."""
 
 
 class ShmTransportError(StorageError, RuntimeError):
@@ -145,6 +145,11 @@ class StreamEndedError(StorageError, RuntimeError):
     """A consumer would start on a directory (or object-store prefix) stream that has already ended: its
     end marker is there and every file it ended was delivered, or files were saved after it. ``path``
     names the marker; ``start_directory_stream`` removes it, so a new stream can start."""
+
+
+class SampleTooLargeForDeviceError(StorageError, MemoryError):
+    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large.
+    Unlike ``SampleTooLargeError`` it is no ``InsufficientSharedMemoryError``: more shared memory would not help."""
 
 
 class SlotPinningWarning(RuntimeWarning):

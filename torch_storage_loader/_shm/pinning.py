@@ -77,7 +77,7 @@ class Accelerator(Protocol):
     def stage(self, device: Any) -> Any:
         """A context manager for one sample's copies to ``device``, issued on a side stream: its
         value has ``copy(host_u8, path)`` (one copy of a 1-D uint8 array; raises
-        ``SampleTooLargeError``), ``move(cpu_tensor)``, ``owned`` (what it allocated) and,
+        ``SampleTooLargeForDeviceError``), ``move(cpu_tensor)``, ``owned`` (what it allocated) and,
         after the block, ``event`` (recorded after the copies)."""
 
     def consume(self, owned: list, event: Any, device: Any) -> None:

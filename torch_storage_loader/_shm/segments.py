@@ -18,7 +18,7 @@ import weakref
 from multiprocessing import reduction
 from typing import Any
 
-from ..errors import InsufficientSharedMemoryError, SampleTooLargeError
+from ..errors import InsufficientSharedMemoryError, SampleTooLargeForDeviceError
 
 __all__ = ["ShmSegment", "default_shm_budget", "shm_dir", "too_large"]
 
@@ -134,8 +134,8 @@ def _rebuild(dupfd, size: int) -> ShmSegment:
     return seg
 
 
-def too_large(path: str, nbytes: int, device: Any, free: int, total: int) -> SampleTooLargeError:
-    return SampleTooLargeError(
+def too_large(path: str, nbytes: int, device: Any, free: int, total: int) -> SampleTooLargeForDeviceError:
+    return SampleTooLargeForDeviceError(
         f"{path}: the sample needs {_human(nbytes)} on {device}, which has {_human(free)} free of {_human(total)}: "
         "lower batch_size, free memory on the device, or pass device=None and move what fits yourself",
         path=path,

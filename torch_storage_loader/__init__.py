@@ -28,47 +28,7 @@ def _read_exports() -> dict[str, str]:
 
 _EXPORTS = _read_exports()
 
-# A literal list, so linters and type checkers see the public names (tests check it matches _EXPORTS).
-__all__ = [
-    "DirectorySource",
-    "FileStorage",
-    "FileStorageLoader",
-    "HandleRecordError",
-    "InsufficientSharedMemoryError",
-    "LoadCancelledError",
-    "LoaderStats",
-    "ObjectStorage",
-    "PickleNotAllowedError",
-    "PrefixSource",
-    "ProducerDiedError",
-    "RedisStorageQueue",
-    "RedisStreamLayoutError",
-    "RedisStreamLostError",
-    "RedisUnavailableError",
-    "SampleMismatchError",
-    "SampleTooLargeError",
-    "SampleTooLargeForDeviceError",
-    "ShmTransportError",
-    "SlotPinningWarning",
-    "Storage",
-    "StorageCorruptError",
-    "StorageDataset",
-    "StorageError",
-    "StorageLoader",
-    "StorageNotFoundError",
-    "StorageQueue",
-    "StorageUnavailableError",
-    "StreamEndedError",
-    "UnregisteredStorageTypeError",
-    "UnsupportedLeafError",
-    "UnsupportedTorchError",
-    "UntrustedStorageError",
-    "WorkerDiedError",
-    "configure_object_store",
-    "end_directory_stream",
-    "register_storage_type",
-    "start_directory_stream",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> object:

@@ -1,5 +1,6 @@
 # The public names, once: type checkers read this stub, and __init__.py reads it to build
-# __all__ and its lazy imports. Add a public name here and nowhere else.
+# __all__ and its lazy imports. Add a public name here, and its entry to the page of its kind in
+# docs/reference/ (tests/test_docstrings.py checks that the reference renders exactly these names).
 from ._format.codec import register_storage_type as register_storage_type
 from ._sources import DirectorySource as DirectorySource
 from ._sources import end_directory_stream as end_directory_stream
@@ -12,9 +13,7 @@ from .errors import InsufficientSharedMemoryError as InsufficientSharedMemoryErr
 from .errors import LoadCancelledError as LoadCancelledError
 from .errors import PickleNotAllowedError as PickleNotAllowedError
 from .errors import ProducerDiedError as ProducerDiedError
-from .errors import RedisStreamLayoutError as RedisStreamLayoutError
 from .errors import RedisStreamLostError as RedisStreamLostError
-from .errors import RedisUnavailableError as RedisUnavailableError
 from .errors import SampleMismatchError as SampleMismatchError
 from .errors import SampleTooLargeError as SampleTooLargeError
 from .errors import SampleTooLargeForDeviceError as SampleTooLargeForDeviceError
@@ -25,7 +24,6 @@ from .errors import StorageError as StorageError
 from .errors import StorageNotFoundError as StorageNotFoundError
 from .errors import StorageUnavailableError as StorageUnavailableError
 from .errors import StreamEndedError as StreamEndedError
-from .errors import UnregisteredStorageTypeError as UnregisteredStorageTypeError
 from .errors import UnsupportedLeafError as UnsupportedLeafError
 from .errors import UnsupportedTorchError as UnsupportedTorchError
 from .errors import UntrustedStorageError as UntrustedStorageError

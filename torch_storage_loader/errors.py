@@ -14,9 +14,7 @@ __all__ = [
     "PinRefused",
     "PinThreadUnavailable",
     "ProducerDiedError",
-    "RedisStreamLayoutError",
     "RedisStreamLostError",
-    "RedisUnavailableError",
     "RemoteTraceback",
     "SampleMismatchError",
     "SampleTooLargeError",
@@ -28,7 +26,6 @@ __all__ = [
     "StorageNotFoundError",
     "StorageUnavailableError",
     "StreamEndedError",
-    "UnregisteredStorageTypeError",
     "UnsupportedLeafError",
     "UnsupportedTorchError",
     "UntrustedStorageError",
@@ -133,19 +130,15 @@ def unpack_exception(exc: BaseException, tb: str) -> BaseException:
 
 
 class HandleRecordError(StorageError, ValueError):
-    """A handle record from a network queue is malformed (not JSON, a pickle, wrong fields)."""
-
-
-class UnregisteredStorageTypeError(StorageError, TypeError):
-    """A handle's type is not allow-listed for network queues. ``type_name`` names it."""
-
-
-class RedisUnavailableError(StorageError, ConnectionError):
-    """Redis could not be reached (or refused the credentials) after retries. ``url`` has no password."""
+    """A handle cannot cross a network queue: its record is malformed (not JSON, a pickle, wrong
+    fields), or its Storage type is not registered (``type_name`` names it then; the fix is
+    ``register_storage_type``). ``put`` raises it; ``get`` acknowledges such an entry, counts it as
+    refused, and raises it."""
 
 
 class StorageUnavailableError(StorageError, ConnectionError):
-    """An object store could not be reached, or refused access, after retries. ``url`` names the object."""
+    """Redis or an object store could not be reached, or refused the credentials, after retries.
+    ``url`` names it (without its password)."""
 
 
 class StreamEndedError(StorageError, RuntimeError):
@@ -155,7 +148,8 @@ class StreamEndedError(StorageError, RuntimeError):
 
 
 class SampleTooLargeForDeviceError(StorageError, MemoryError):
-    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large."""
+    """A sample (or batch) for ``device=`` does not fit in the device's memory; the message says how large.
+    Unlike ``SampleTooLargeError`` it is no ``InsufficientSharedMemoryError``: more shared memory would not help."""
 
 
 class SlotPinningWarning(RuntimeWarning):
@@ -172,15 +166,12 @@ class PinThreadUnavailable(RuntimeError):
 
 
 class RedisStreamLostError(StorageError, RuntimeError):
-    """A Redis stream this process was using vanished: its identity (epoch) key, its stream or its
-    consumer group is gone or was made anew (Redis restarted without persistence, a failover lost
-    unreplicated writes, FLUSHALL, eviction, or ``delete()``). What it held is gone; ``stream`` and
-    ``url`` (no password) name it."""
-
-
-class RedisStreamLayoutError(StorageError, ValueError):
-    """A Redis key that a ``RedisStorageQueue`` would use as its stream exists but was not made by
-    this version of the queue (an older key layout, or something else's key). ``stream`` names it."""
+    """The Redis stream a ``RedisStorageQueue`` names is not the one it made: it vanished or was made
+    anew while in use (its identity (epoch) key, stream or consumer group is gone: Redis restarted
+    without persistence, a failover lost unreplicated writes, FLUSHALL, eviction, or ``delete()``), or
+    its key exists but was not made by this version of the queue (an older key layout, or something
+    else's key). Either way, start a new stream: another name, or ``delete()`` this one first.
+    ``stream`` and ``url`` (no password) name it."""
 
 
 class UntrustedStorageError(StorageError, PermissionError):

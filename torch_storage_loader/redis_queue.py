@@ -70,7 +70,7 @@ class RedisStorageQueue:
     none at all, ``get`` raises ``UntrustedStorageError`` and gives the entry back undelivered: nothing lost.
 
     Connection loss is retried with back-off for ``retry_timeout`` seconds (``retry_for``, its old
-    name, still works and warns), then raises ``RedisUnavailableError`` naming the URL without its
+    name, still works and warns), then raises ``StorageUnavailableError`` naming the URL without its
     secrets (``rediss://``, users and passwords come from the URL, in any form redis-py reads; they
     are never logged or shown). A ``put`` retried after a lost reply may append the handle twice.
     The queue pickles as its URL and options; each process connects on first use. ``disconnect()``
@@ -90,7 +90,7 @@ class RedisStorageQueue:
         group: the consumer group that shares the stream's entries (each group gets every entry).
         claim_after: seconds after which an unacknowledged delivery is claimed by another consumer.
         producer_timeout: seconds without a heartbeat after which a registered producer is dead.
-        retry_timeout: seconds a lost connection is retried before ``RedisUnavailableError``.
+        retry_timeout: seconds a lost connection is retried before ``StorageUnavailableError``.
         prefetch: entries a consumer reads per round trip (>= 1).
         allow_pickle: accept handles of Storage types registered as pickled (see
             ``register_storage_type``); never for a stream others can write.
@@ -183,9 +183,9 @@ class RedisStorageQueue:
             The stream entry's id.
 
         Raises:
-            UnregisteredStorageTypeError: ``storage``'s type is not registered.
+            HandleRecordError: ``storage``'s type is not registered, or a field is not a JSON value.
             RedisStreamLostError: the stream this process used is gone.
-            RedisUnavailableError: Redis could not be reached within ``retry_timeout``.
+            StorageUnavailableError: Redis could not be reached within ``retry_timeout``.
         """
         return self._producers.put(storage)
 
@@ -239,9 +239,9 @@ class RedisStorageQueue:
         Raises:
             queue.Empty: nothing came within ``timeout``.
             ProducerDiedError: the stream is empty and a registered producer died.
-            HandleRecordError: an entry is not a handle record (acknowledged and counted as
-                ``refused``: never delivered again; a ``StorageDataset`` skips such entries).
-            UnregisteredStorageTypeError: an entry names an unregistered Storage type (likewise).
+            HandleRecordError: an entry is not a handle record, or names an unregistered Storage
+                type (acknowledged and counted as ``refused``: never delivered again; a
+                ``StorageDataset`` skips such entries).
             UntrustedStorageError: an entry names a path or bucket outside ``trusted_roots`` (likewise if any).
             RedisStreamLostError: the stream this process used is gone.
         """
@@ -263,7 +263,7 @@ class RedisStorageQueue:
 
         Raises:
             TypeError: tokens given both as arguments and in a list.
-            RedisUnavailableError: Redis could not be reached within ``retry_timeout``.
+            StorageUnavailableError: Redis could not be reached within ``retry_timeout``.
         """
         return self._reader.ack(token_list(tokens), failed)
 
@@ -290,7 +290,7 @@ class RedisStorageQueue:
 
         Raises:
             TypeError: tokens given both as arguments and in a list.
-            RedisUnavailableError: Redis could not be reached within ``retry_timeout``.
+            StorageUnavailableError: Redis could not be reached within ``retry_timeout``.
         """
         return self._reader.give_back(token_list(tokens), family)
 
@@ -303,7 +303,7 @@ class RedisStorageQueue:
 
         Raises:
             TypeError: tokens given both as arguments and in a list.
-            RedisUnavailableError: Redis could not be reached within ``retry_timeout``.
+            StorageUnavailableError: Redis could not be reached within ``retry_timeout``.
         """
         self._reader.keep_alive(token_list(tokens), family)
 

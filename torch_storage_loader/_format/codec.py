@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import HandleRecordError, UnregisteredStorageTypeError
+from ..errors import HandleRecordError
 from ..storage import FileStorage, ObjectStorage, Storage
 from . import limits as _limits
 from . import trust as _trust
@@ -95,8 +95,8 @@ def registered_storage_types() -> list[str]:
         return sorted(_REGISTRY)
 
 
-def _unregistered(name: str, where: str) -> UnregisteredStorageTypeError:
-    return UnregisteredStorageTypeError(
+def _unregistered(name: str, where: str) -> HandleRecordError:
+    return HandleRecordError(
         f"{where} names Storage type {name!r}, which is not registered: handles cross the network as "
         f"JSON records of allow-listed Storage classes only (registered: {', '.join(registered_storage_types())}). "
         f"If the class is yours, call torch_storage_loader.register_storage_type(cls) in every process that "

@@ -1,7 +1,7 @@
 """One process's use of the stream's Redis: connecting, retrying, and what error replies stand for.
 
 Connection loss is retried with back-off (``_retry``) for ``retry_timeout`` seconds, then raises
-``RedisUnavailableError`` naming the URL without its secrets. Each process connects on first use (a
+``StorageUnavailableError`` naming the URL without its secrets. Each process connects on first use (a
 forked child never shares its parent's sockets) and makes or checks the stream, its epoch and the
 group once; a stream whose epoch changed or vanished raises ``RedisStreamLostError``.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._optional import require
 from .._retry import Backoff
-from ..errors import RedisStreamLayoutError, RedisStreamLostError, RedisUnavailableError
+from ..errors import RedisStreamLostError, StorageUnavailableError
 from . import conn as _conn
 from .keys import Keys, decode_id
 from .options import Options
@@ -129,7 +129,7 @@ class Client:
                     self._ensure_group()
                 return fn(client)
             except redis.AuthenticationError as exc:
-                raise RedisUnavailableError(
+                raise StorageUnavailableError(
                     f"Redis at {shown} refused the credentials in the URL while trying to {what} "
                     f"({type(exc).__name__}: {self.scrub(exc)}); check the user and password in the URL",
                     url=shown,
@@ -146,7 +146,7 @@ class Client:
                 if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not _conn.transient(exc):
                     raise
                 if backoff.spent():
-                    raise RedisUnavailableError(
+                    raise StorageUnavailableError(
                         f"Redis at {shown} is unreachable: could not {what} in {tries} tries over "
                         f"{seconds:g} s ({type(exc).__name__}: {self.scrub(exc)})",
                         url=shown,
@@ -168,7 +168,7 @@ class Client:
             raise self.lost(text.split("TSLLOST", 1)[1].split()[0]) from None
         if "TSLLAYOUT" in text:
             kind = text.split("TSLLAYOUT", 1)[1].split()[0]
-            raise RedisStreamLayoutError(
+            raise RedisStreamLostError(
                 f"Redis key {o.stream!r} at {o.shown} exists (a {kind}) but has no {self.keys.meta!r}: it was "
                 "not made by this version of RedisStorageQueue (0.1 kept its keys as tsl:NAME:*, or it is "
                 "something else's key). Finish that run with the version that made it, use another stream "
@@ -235,7 +235,7 @@ class Client:
                 raise redis.ConnectionError(f"the stream's node changed ({type(exc).__name__})") from None
             raise
         if copies < o.replicas:
-            raise RedisUnavailableError(
+            raise StorageUnavailableError(
                 f"Redis at {o.shown}: only {copies} of replicas={o.replicas} confirmed a write to stream "
                 f"{o.stream!r} within {o.retry_timeout:g} s; it may be lost if the master fails over now "
                 "(or it may be delivered): try again (a duplicate at worst)",

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from .._format import limits as _limits
 from .._format import trust as _trust
 from .._redis.keys import family as _family
-from ..errors import HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError
+from ..errors import HandleRecordError, UntrustedStorageError
 from ..storage import Storage
 
 __all__ = ["RedisSource", "StreamQueue"]
@@ -83,7 +83,7 @@ class RedisSource:
         while True:
             try:
                 item = q.get()
-            except (HandleRecordError, UnregisteredStorageTypeError, UntrustedStorageError) as exc:
+            except (HandleRecordError, UntrustedStorageError) as exc:
                 if isinstance(exc, UntrustedStorageError) and not q.trusted_roots:
                     raise  # a misconfiguration, not an attack: get() left the entry in the stream
                 self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader

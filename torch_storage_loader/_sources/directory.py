@@ -78,10 +78,9 @@ class DirectorySource:
     keep_alive_every = None
     ack_in_background = True  # a removal per delivered sample: off the trainer's thread, in batches
     fed_from_trainer = False  # its claims are atomic: workers take themselves
+    spread = False  # a rename is cheap: every consumer walks the names in order
 
-    # The subclass for object-store prefixes (``prefix.PrefixSource``): set when it is defined, which the
-    # package does as it imports this module.
-    _for_urls: ClassVar[type[DirectorySource]]
+    _for_urls: ClassVar[type[DirectorySource]]  # ``prefix.PrefixSource``, set as the package defines it
 
     def __init_subclass__(cls, *, for_urls: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,8 +120,6 @@ class DirectorySource:
             return sorted(os.listdir(self.path))
         except FileNotFoundError:
             return []
-
-    spread = False  # a rename is cheap: every consumer walks the names in order
 
     def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
         """Claim files as they land, until the stream ended and nothing is left to claim.
@@ -268,7 +265,6 @@ class DirectorySource:
         Args:
             tokens: Tokens from ``iterate``.
         """
-        # a claim lasts until its trainer dies
 
     def give_back(self, tokens: list[str]) -> None:
         """Release claims that were never delivered: rename the files back, for any consumer to claim.

@@ -94,6 +94,7 @@ class PrefixSource(DirectorySource, for_urls=True):
 
     ack_in_background = True  # two requests per delivered sample: off the trainer's thread
     fed_from_trainer = False  # its claims are atomic: workers take themselves
+    spread = True  # a claim costs requests: consumers start apart, so fewer lose races
 
     def __init__(self, url: str, *, delete_after_load: bool = True, poll_interval: float = 0.2) -> None:
         if poll_interval <= 0:
@@ -106,8 +107,6 @@ class PrefixSource(DirectorySource, for_urls=True):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "refused": 0, "_owners": {}}
-
-    spread = True  # a claim costs requests: consumers start apart, so fewer lose races
 
     def _scan(self) -> Scan:
         entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
@@ -209,7 +208,6 @@ class PrefixSource(DirectorySource, for_urls=True):
         Args:
             tokens: Tokens from ``iterate``.
         """
-        # a claim lasts until its trainer dies
 
     def give_back(self, tokens: list[str]) -> None:
         """Release claims that were never delivered: delete the claims, for any consumer to claim the objects.

@@ -23,7 +23,7 @@ slot is taken, so a refused file costs neither a slot nor a ring nor a worker.
 This module imports neither torch nor the tree code, so worker processes start fast; the tree
 spec's grammar and its check are in ``spec``.
 
-Size: about 500 lines (380 of code), because writing and reading one versioned layout (header bytes,
+Size: about 530 lines (400 of code), because writing and reading one versioned layout (header bytes,
 array table, aligned reads and writes, safe opens) belong together; split, each half would
 restate the layout the other relies on.
 """
@@ -142,7 +142,7 @@ class Leaf(Protocol):
     def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]: ...
 
 
-_Rows = tuple[tuple[object, ...], ...]  # ArrayEntry's as plain tuples, as a Header pickles them
+_Rows = tuple[tuple[object, ...], ...]  # a header's array entries as the plain tuples it pickles
 
 
 @dataclass(frozen=True)

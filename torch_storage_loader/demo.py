@@ -17,6 +17,9 @@ import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -25,6 +28,11 @@ from ._optional import require
 from .file_loader import FileStorageLoader
 from .queue import StorageQueue
 from .storage import FileStorage
+
+if TYPE_CHECKING:  # imported where used: Lightning when the demo runs, redis only with --redis
+    import lightning.pytorch as pl
+
+    from .redis_queue import RedisStorageQueue
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +78,9 @@ class BallEnv:
         return self.frames.copy(), reward, self.rng.random() < 0.01
 
 
-def collect(queue, directory: str, collector: int, trajectories: int, steps: int, size: int) -> None:
+def collect(
+    queue: StorageQueue | RedisStorageQueue, directory: str, collector: int, trajectories: int, steps: int, size: int
+) -> None:
     """A collector process: roll out, save each trajectory, hand its handle to the trainer."""
     torch.set_num_threads(1)
     env = BallEnv(collector, size)
@@ -97,8 +107,8 @@ def collect(queue, directory: str, collector: int, trajectories: int, steps: int
     loader.shutdown()
 
 
-def _model():
-    pl = require("lightning.pytorch", "lightning", "The demo")
+def _model() -> pl.LightningModule:
+    import lightning.pytorch as pl  # installed: run() required it
 
     class RewardModel(pl.LightningModule):
         """Predicts each step's reward from its stacked frames."""
@@ -113,33 +123,42 @@ def _model():
                 torch.nn.Linear(8 * 16, 1),
             )
 
-        def training_step(self, batch, batch_idx):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             obs = batch["obs"].flatten(0, -4)  # (batch * steps, 4, H, W)
             loss = torch.nn.functional.mse_loss(self.net(obs).squeeze(-1), batch["reward"].flatten())
             self.log("loss", loss, prog_bar=True, batch_size=obs.shape[0])
             return loss
 
-        def configure_optimizers(self):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     return RewardModel()
 
 
-class PlainFileDataset(torch.utils.data.IterableDataset):
+class PlainFileDataset(torch.utils.data.IterableDataset[Any]):
     """The usual way, for comparisons: load each file in a worker and let DataLoader ship the tensors."""
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         for p in self.paths[wid::nw]:
             yield FileStorage(p).load()
 
 
-def _fit(datamodule, args, progress: bool) -> dict:
-    pl = require("lightning.pytorch", "lightning", "The demo")
+class _Run(TypedDict):
+    """What one training run measured (a row of the demo's table)."""
+
+    batches: int
+    bytes: int
+    wall: float
+    waited: float
+
+
+def _fit(datamodule: pl.LightningDataModule, args: argparse.Namespace, progress: bool) -> _Run:
+    import lightning.pytorch as pl  # installed: run() required it
 
     from .lightning import StorageStatsCallback
 
@@ -170,13 +189,13 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
 
 
-def _close_when_done(queue, collectors: list) -> None:
+def _close_when_done(queue: StorageQueue | RedisStorageQueue, collectors: Sequence[BaseProcess]) -> None:
     for p in collectors:
         p.join()
     queue.close()
 
 
-def _queue_for(args: argparse.Namespace, workdir: str):
+def _queue_for(args: argparse.Namespace, workdir: str) -> StorageQueue | RedisStorageQueue:
     if not args.redis:
         return StorageQueue()
     import uuid
@@ -189,7 +208,8 @@ def _queue_for(args: argparse.Namespace, workdir: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    pl = require("lightning.pytorch", "lightning", "The demo")
+    require("lightning.pytorch", "lightning", "The demo")  # where it is missing: which extra installs it
+    import lightning.pytorch as pl
 
     from .lightning import StorageDataModule
 
@@ -219,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         ours = _fit(dm, args, not args.no_progress_bar)
         dm.teardown("fit")
         closer.join()
-        if args.redis:
+        if not isinstance(queue, StorageQueue):  # the RedisStorageQueue of --redis: its stream goes
             queue.delete()
         paths = sorted(glob.glob(os.path.join(workdir, "collector*", "*.tsl")))
         if len(paths) < needed:

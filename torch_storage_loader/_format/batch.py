@@ -5,24 +5,30 @@ dimension, read straight from the files with one scatter ``preadv`` per sample.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import SampleMismatchError
 from .file import BYTE_KINDS, ArrayEntry, Header, align
 from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, kind_name
 
 __all__ = ["file_iovecs", "plan"]
 
+# Where a node is in a spec, by position: ``i`` the i-th item of a sequence, ``("k", i)`` the i-th
+# key's value of a mapping (keys are file text: never shown).
+_Path = tuple[int | tuple[str, int], ...]
 
-def _show_path(path: tuple) -> str:
+
+def _show_path(path: _Path) -> str:
     """``(("k", 1), 0)`` -> ``"<root>{#1}[0]"``: keys by position, never quoted (they are file text)."""
     shown = "".join(f"{{#{p[1]}}}" if type(p) is tuple else f"[{p}]" for p in path[:12])
     return "<root>" + shown + ("..." if len(path) > 12 else "")
 
 
-def _leaf_positions(spec: list) -> list[tuple]:
+def _leaf_positions(spec: list[Any]) -> list[_Path]:
     """The position path (``_show_path``'s) of every array leaf of ``spec``, in leaf order."""
-    out: list[tuple] = []
+    out: list[_Path] = []
 
-    def walk(node: list, path: tuple) -> None:
+    def walk(node: list[Any], path: _Path) -> None:
         tag = node[0]
         if tag == ARRAY:
             out.append(path)
@@ -41,7 +47,7 @@ def _short(text: str, n: int = 200) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
+def _merge(specs: list[list[Any]], path: _Path, names: list[str]) -> list[Any]:
     """One spec for the batch; inline scalars that vary become a ``["v", [node, ...]]`` list.
 
     ``path`` is a tuple of positions (``_show_path``), formatted only for an error."""
@@ -73,7 +79,7 @@ def _merge(specs: list[list], path: tuple, names: list[str]) -> list:
     raise ValueError("unknown tree node tag")
 
 
-def _mismatch(path: tuple, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
+def _mismatch(path: _Path, name_a: str, name_b: str, a: str, b: str) -> SampleMismatchError:
     shown = _show_path(path)
     return SampleMismatchError(
         f"cannot stack the batch: at {shown} {name_a} has {a} but {name_b} has {b} ({{#i}}: a mapping's "
@@ -88,7 +94,8 @@ def plan(headers: list[Header], names: list[str]) -> Header:
     first = headers[0]
     spec = _merge([h.spec for h in headers], (), names)
     k = len(headers)
-    arrays, offset = [], 0
+    arrays: list[ArrayEntry] = []
+    offset = 0
     for i, e in enumerate(first.arrays):
         for j, h in enumerate(headers[1:], 1):
             o = h.arrays[i]
@@ -112,9 +119,10 @@ def plan(headers: list[Header], names: list[str]) -> Header:
     return Header(spec, tuple(arrays), 0, offset)
 
 
-def file_iovecs(sample: Header, batch: Header, j: int, target: memoryview, scratch: memoryview) -> list:
+def file_iovecs(sample: Header, batch: Header, j: int, target: memoryview, scratch: memoryview) -> list[memoryview]:
     """Buffers for one ``preadv`` of sample ``j``'s data section: its leaves land at their batch place."""
-    views, pos = [], 0
+    views: list[memoryview] = []
+    pos = 0
     for e, b in zip(sample.arrays, batch.arrays):
         if e.offset > pos:
             views.append(scratch[: e.offset - pos])

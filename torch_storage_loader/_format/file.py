@@ -23,7 +23,7 @@ slot is taken, so a refused file costs neither a slot nor a ring nor a worker.
 This module imports neither torch nor the tree code, so worker processes start fast; the tree
 spec's grammar and its check are in ``spec``.
 
-Size: about 500 lines (380 of code), because writing and reading one versioned layout (header bytes,
+Size: about 530 lines (400 of code), because writing and reading one versioned layout (header bytes,
 array table, aligned reads and writes, safe opens) belong together; split, each half would
 restate the layout the other relies on.
 """
@@ -37,9 +37,9 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from ..errors import (
 from . import limits as _limits
 from .names import temp_name
 from .spec import check_tree, corrupt
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "ALIGN",
@@ -124,9 +127,27 @@ class ArrayEntry(NamedTuple):
     nbytes: int
 
 
+class Leaf(Protocol):
+    """What writing reads of a leaf (``tree.Leaf`` is one; this module does not import the tree code)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def data(self) -> np.ndarray[Any, np.dtype[np.uint8]]: ...
+
+
+_Rows = tuple[tuple[object, ...], ...]  # a header's array entries as the plain tuples it pickles
+
+
 @dataclass(frozen=True)
 class Header:
-    spec: list
+    spec: list[Any]  # the tree spec, JSON nodes (see ``spec``)
     arrays: tuple[ArrayEntry, ...]
     data_offset: int
     data_size: int
@@ -135,13 +156,13 @@ class Header:
     def file_size(self) -> int:
         return self.data_offset + self.data_size
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[list[Any], _Rows, int, int], Header], tuple[list[Any], _Rows, int, int]]:
         # Plain tuples pickle several times faster than one object per array (samples can hold
         # hundreds of small arrays, and a header crosses a pipe with every sample).
         return _header, (self.spec, tuple(map(tuple, self.arrays)), self.data_offset, self.data_size)
 
 
-def _header(spec: list, arrays: tuple, data_offset: int, data_size: int) -> Header:
+def _header(spec: list[Any], arrays: _Rows, data_offset: int, data_size: int) -> Header:
     return Header(spec, tuple(map(ArrayEntry._make, arrays)), data_offset, data_size)
 
 
@@ -149,16 +170,17 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(leaves: Sequence) -> tuple[tuple[ArrayEntry, ...], int]:
+def layout(leaves: Sequence[Leaf]) -> tuple[tuple[ArrayEntry, ...], int]:
     """Where each leaf goes in a data section (each at an aligned offset), and the section's size."""
-    arrays, offset = [], 0
+    arrays: list[ArrayEntry] = []
+    offset = 0
     for leaf in leaves:
         arrays.append(ArrayEntry(leaf.kind, leaf.dtype, tuple(leaf.shape), offset, leaf.nbytes))
         offset = align(offset + leaf.nbytes)
     return tuple(arrays), offset
 
 
-def serialize(spec: list, leaves: Sequence) -> tuple[list, int]:
+def serialize(spec: list[Any], leaves: Sequence[Leaf]) -> tuple[list[bytes | memoryview], int]:
     """A file's bytes as a list of buffers (header, arrays, padding), and its size."""
     arrays, data_size = layout(leaves)
     header = json.dumps(
@@ -167,17 +189,17 @@ def serialize(spec: list, leaves: Sequence) -> tuple[list, int]:
     _check_writable(header)
     data_offset = align(FIXED.size + len(header))
     head = FIXED.pack(MAGIC, VERSION, len(header), data_offset, data_size) + header
-    buffers: list = [head + bytes(data_offset - len(head))]
+    buffers: list[bytes | memoryview] = [head + bytes(data_offset - len(head))]
     for leaf, entry in zip(leaves, arrays):
         if leaf.nbytes:
-            buffers.append(memoryview(leaf.data))
+            buffers.append(leaf.data.data)  # the array's memoryview
         pad = align(entry.offset + entry.nbytes) - (entry.offset + entry.nbytes)
         if pad:
             buffers.append(bytes(pad))
     return buffers, data_offset + data_size
 
 
-def write(path: str | os.PathLike, spec: list, leaves: Sequence, *, fsync: bool = False) -> int:
+def write(path: str | os.PathLike[str], spec: list[Any], leaves: Sequence[Leaf], *, fsync: bool = False) -> int:
     """Write a file atomically (temporary name, then rename); returns its size in bytes."""
     path = os.fspath(path)
     buffers, size = serialize(spec, leaves)
@@ -210,7 +232,7 @@ def _check_writable(header: bytes) -> None:
         )
 
 
-def _writev_all(fd: int, buffers: list) -> None:
+def _writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
         written = os.writev(fd, views[:_IOV_MAX])
@@ -241,7 +263,7 @@ def _itemsize(kind: str, dtype: str) -> int:
     return dt.itemsize
 
 
-def header_end(raw, path: str, file_size: int | None) -> int:
+def header_end(raw: bytes | memoryview, path: str, file_size: int | None) -> int:
     """Check the fixed part at the start of a file (``raw``: at least its first bytes) and return the
     number of bytes from the file's start that ``parse_header`` needs: the end of its header."""
     if raw[: len(MAGIC)] != MAGIC[: len(raw)]:
@@ -252,6 +274,7 @@ def header_end(raw, path: str, file_size: int | None) -> int:
         )
     if len(raw) < FIXED.size:
         raise corrupt(path, f"file is truncated ({len(raw)} bytes)")
+    header_len: int
     _, version, header_len, data_offset, data_size = FIXED.unpack_from(raw)
     if version != VERSION:
         raise StorageCorruptError(
@@ -270,7 +293,7 @@ def header_end(raw, path: str, file_size: int | None) -> int:
     return FIXED.size + header_len
 
 
-def parse_header(raw, path: str, file_size: int | None) -> Header:
+def parse_header(raw: bytes | memoryview, path: str, file_size: int | None) -> Header:
     """Parse and validate the header at the start of a file; ``raw`` holds at least ``header_end`` bytes
     (fewer: the file shrank or was cut while it was read, a ``StorageCorruptError``)."""
     end = header_end(raw, path, file_size)
@@ -286,12 +309,12 @@ def parse_header(raw, path: str, file_size: int | None) -> Header:
 # Headers parsed in this process, by their exact text and data size: consecutive samples of one
 # structure often have byte-identical headers, which then cost a lookup instead of a parse. Bounded
 # by count and by size; cleared when full.
-_parsed: dict[tuple[bytes, int], tuple[list, tuple]] = {}
+_parsed: dict[tuple[bytes, int], tuple[list[Any], tuple[ArrayEntry, ...]]] = {}
 _PARSED_MAX, _PARSED_MAX_TEXT, _PARSED_MAX_BYTES = 64, 256 << 10, 4 << 20
 _parsed_bytes = 0
 
 
-def _parse_doc(text, path: str, data_offset: int, data_size: int) -> Header:
+def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
     global _parsed_bytes
     key = (bytes(text), data_size) if len(text) <= _PARSED_MAX_TEXT else None
     known = _parsed.get(key) if key is not None else None
@@ -307,7 +330,7 @@ def _parse_doc(text, path: str, data_offset: int, data_size: int) -> Header:
     return header
 
 
-def _parse_new_doc(text, path: str, data_offset: int, data_size: int) -> Header:
+def _parse_new_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
     try:
         doc = _limits.loads(
             text,
@@ -325,12 +348,13 @@ def _parse_new_doc(text, path: str, data_offset: int, data_size: int) -> Header:
     return Header(doc["tree"], arrays, data_offset, data_size)
 
 
-def _arrays(entries, path: str, data_size: int) -> tuple[ArrayEntry, ...]:
+def _arrays(entries: object, path: str, data_size: int) -> tuple[ArrayEntry, ...]:
     """The array table, exactly as ``layout`` writes it: each entry typed and consistent, each array
     starting where the previous one ended (64-byte aligned), the last one ending the data section."""
     if type(entries) is not list:
         raise corrupt(path, "its array table is not a list")
-    out, pos = [], 0
+    out: list[ArrayEntry] = []
+    pos = 0
     for i, e in enumerate(entries):
         if type(e) is not list or len(e) != 5:
             raise _bad_array(path, i, "is not [kind, dtype, shape, offset, nbytes]")
@@ -469,13 +493,13 @@ def _not_regular(path: str, mode: int) -> UntrustedStorageError:
     )
 
 
-def preadv_into(fd: int, buffers: list, offset: int, path: str) -> None:
+def preadv_into(fd: int, buffers: list[memoryview], offset: int, path: str) -> None:
     """Fill ``buffers`` (memoryviews) from ``offset``; a short file is a corrupt file."""
     if preadv_upto(fd, buffers, offset) < sum(len(b) for b in buffers):
         raise corrupt(path, "file shrank while it was read")
 
 
-def preadv_upto(fd: int, buffers: list, offset: int) -> int:
+def preadv_upto(fd: int, buffers: list[memoryview], offset: int) -> int:
     """Fill ``buffers`` (memoryviews) from ``offset`` until they are full or the file ends; the bytes read."""
     total = 0
     views = [b for b in buffers if len(b)]
@@ -493,8 +517,11 @@ def preadv_upto(fd: int, buffers: list, offset: int) -> int:
     return total
 
 
-def read_into(path: str, allocate) -> tuple[Header, memoryview]:
-    """Read a whole file: header, then the data section into ``allocate(size)``."""
+_Buf = TypeVar("_Buf", bound="Buffer")
+
+
+def read_into(path: str, allocate: Callable[[int], _Buf]) -> tuple[Header, _Buf]:
+    """Read a whole file: header, then the data section into ``allocate(size)`` (returned as made)."""
     fd = open_storage(path)
     try:
         header = read_header(fd, path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from .._optional import require
 
@@ -96,20 +96,38 @@ class Connection(NamedTuple):
     cluster: bool
 
 
+class _Options(TypedDict):
+    """The keyword arguments every client is made with (named, so that ``**`` lands on them alone)."""
+
+    socket_timeout: float
+    socket_connect_timeout: float
+    decode_responses: bool
+
+
+class _TLS(TypedDict, total=False):
+    """``ssl=True`` for a ``rediss+sentinel://`` URL; empty otherwise (redis-py's default)."""
+
+    ssl: bool
+
+
 def connect(
     url: str, *, cluster: bool, shown: str, socket_timeout: float, connect_timeout: float, retry: Any
 ) -> Connection:
-    options = {"socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout, "decode_responses": False}
+    options: _Options = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+        "decode_responses": False,
+    }
     if cluster:
         from redis.cluster import RedisCluster
 
-        client = RedisCluster.from_url(url, retry=retry, **options)
-        return Connection(client, client.close, True)
+        nodes = RedisCluster.from_url(url, retry=retry, **options)
+        return Connection(nodes, nodes.close, True)
     if scheme(url) in SENTINEL_SCHEMES:
         from redis.sentinel import Sentinel
 
         s = parse_sentinel(url, shown)
-        tls = {"ssl": True} if s.tls else {}
+        tls: _TLS = {"ssl": True} if s.tls else {}
         sentinel = Sentinel(
             s.hosts,
             sentinel_kwargs={**options, **tls, "decode_responses": True},
@@ -120,14 +138,14 @@ def connect(
             **options,
             **tls,
         )
-        client = sentinel.master_for(s.service)
+        master = sentinel.master_for(s.service)
 
         def close() -> None:
-            client.close()
+            master.close()
             for node in sentinel.sentinels:
                 node.close()
 
-        return Connection(client, close, False)
+        return Connection(master, close, False)
     client = redis.Redis.from_url(url, retry=retry, **options)
     return Connection(client, client.close, False)
 

@@ -6,8 +6,8 @@ import errno
 import logging
 import os
 import re
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, NamedTuple
 
 from .._format import limits as _limits
 from .._format.names import DIR_CLAIM as CLAIM
@@ -78,20 +78,23 @@ class DirectorySource:
     keep_alive_every = None
     ack_in_background = True  # a removal per delivered sample: off the trainer's thread, in batches
     fed_from_trainer = False  # its claims are atomic: workers take themselves
+    spread = False  # a rename is cheap: every consumer walks the names in order
 
-    _for_urls: type | None = None  # the subclass for object-store prefixes (``prefix.PrefixSource``)
+    _for_urls: ClassVar[type[DirectorySource]]  # ``prefix.PrefixSource``, set as the package defines it
 
     def __init_subclass__(cls, *, for_urls: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if for_urls:
             DirectorySource._for_urls = cls
 
-    def __new__(cls, path: str | os.PathLike | None = None, **options: Any):  # None: unpickling
+    def __new__(cls, path: str | os.PathLike[str] | None = None, **options: Any) -> DirectorySource:  # None: unpickling
         if cls is DirectorySource and path is not None and _objects.is_url(os.fspath(path)):
             return super().__new__(DirectorySource._for_urls)  # claims by conditional creation: see prefix
         return super().__new__(cls)
 
-    def __init__(self, path: str | os.PathLike, *, delete_after_load: bool = True, poll_interval: float = 0.05) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, delete_after_load: bool = True, poll_interval: float = 0.05
+    ) -> None:
         if poll_interval <= 0:
             raise ValueError(f"{poll_interval=} must be > 0")
         self.path = os.fspath(path)
@@ -100,7 +103,7 @@ class DirectorySource:
         self.refused = 0  # names refused in this process, each counted once
         self._refused: set[str] = set()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "refused": 0, "_refused": set()}
 
     def _refuse(self, name: str, why: str) -> None:
@@ -117,8 +120,6 @@ class DirectorySource:
             return sorted(os.listdir(self.path))
         except FileNotFoundError:
             return []
-
-    spread = False  # a rename is cheap: every consumer walks the names in order
 
     def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
         """Claim files as they land, until the stream ended and nothing is left to claim.
@@ -178,6 +179,7 @@ class DirectorySource:
             end = os.stat(os.path.join(self.path, END_OF_STREAM)).st_mtime_ns
         except FileNotFoundError:
             return None
+        name: str
         for name in reversed(scan.unclaimed):  # saved names sort in save order: the newest first
             try:
                 if os.stat(os.path.join(self.path, name), follow_symlinks=False).st_mtime_ns > end:
@@ -192,7 +194,7 @@ class DirectorySource:
 
     def _claims_in(self, scan: Scan) -> list[Claim]:
         """The valid claims among the names listed; the others are refused."""
-        out = []
+        out: list[Claim] = []
         for name in scan.listing:
             if CLAIM not in name:
                 continue
@@ -209,7 +211,7 @@ class DirectorySource:
         ref: ClaimedName = claim.ref
         return self._settle(os.rename, os.path.join(self.path, ref.name), os.path.join(self.path, ref.original))
 
-    def _settle(self, op: Any, path: str, *to: str) -> bool:
+    def _settle(self, op: Callable[..., None], path: str, *to: str) -> bool:
         """``op(path, *to)`` (a rename or a removal) on names a writer controls: whether it was done.
 
         Gone (another consumer settled it) is not an error; any other refusal (a target that is
@@ -220,7 +222,7 @@ class DirectorySource:
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._refuse(os.path.basename(path), f"it cannot be settled ({errno.errorcode.get(exc.errno, exc.errno)})")
+            self._refuse(os.path.basename(path), f"it cannot be settled ({_errno_name(exc)})")
             return False
         return True
 
@@ -232,11 +234,11 @@ class DirectorySource:
         except FileNotFoundError:
             return None
         except OSError as exc:  # e.g. a name too long to take the claim's suffix
-            self._refuse(name, f"it cannot be claimed ({errno.errorcode.get(exc.errno, exc.errno)})")
+            self._refuse(name, f"it cannot be claimed ({_errno_name(exc)})")
             return None
         return claimed, FileStorage(claimed)
 
-    def ack(self, tokens: list) -> None:
+    def ack(self, tokens: list[str]) -> None:
         """Settle claims whose samples reached the trainer: delete the files (or keep them as ``*.loaded``).
 
         Args:
@@ -248,7 +250,7 @@ class DirectorySource:
             else:
                 self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + LOADED)
 
-    def fail(self, tokens: list) -> None:
+    def fail(self, tokens: list[str]) -> None:
         """Settle claims whose files could not be loaded: keep them as ``*.failed``, never claimed again.
 
         Args:
@@ -257,15 +259,14 @@ class DirectorySource:
         for path in tokens:
             self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + FAILED)
 
-    def keep_alive(self, tokens: list) -> None:
+    def keep_alive(self, tokens: list[str]) -> None:
         """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
 
         Args:
             tokens: Tokens from ``iterate``.
         """
-        # a claim lasts until its trainer dies
 
-    def give_back(self, tokens: list) -> None:
+    def give_back(self, tokens: list[str]) -> None:
         """Release claims that were never delivered: rename the files back, for any consumer to claim.
 
         Args:
@@ -273,6 +274,11 @@ class DirectorySource:
         """
         for path in tokens:
             self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0])
+
+
+def _errno_name(exc: OSError) -> str:
+    """``ENAMETOOLONG`` and the like: the error's name, else its number (or None)."""
+    return errno.errorcode.get(exc.errno or 0, str(exc.errno))
 
 
 _CLAIM_TAIL = re.compile(r"(.+)-([0-9]{1,7})-([0-9]{1,7})")  # HOST (may hold dashes)-FAMILY-PID

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+from typing import Any, TypedDict, cast
 
 from .._format import limits as _limits
 from .._format.names import FAILED, LOADED, SUFFIX
@@ -25,14 +26,23 @@ from .claims import Claim, Owner, Scan
 from .directory import DirectorySource
 from .end import END_OF_STREAM
 
-__all__ = ["PrefixSource", "parse_claim_body"]
+__all__ = ["ClaimBody", "PrefixSource", "parse_claim_body"]
 
 CLAIM_FIELDS = ("family", "host", "nonce", "pid")
 
 logger = logging.getLogger("torch_storage_loader")
 
 
-def parse_claim_body(body: bytes) -> dict | None:
+class ClaimBody(TypedDict):
+    """What a claim's body says (``parse_claim_body`` checked each field)."""
+
+    family: str
+    host: str
+    nonce: str
+    pid: int
+
+
+def parse_claim_body(body: bytes) -> ClaimBody | None:
     """The owner a claim body names (``{"host", "family", "pid", "nonce"}``, each of its type and in
     range), or None: whoever wrote it may have written anything."""
     try:
@@ -52,7 +62,10 @@ def parse_claim_body(body: bytes) -> dict | None:
         return None
     if type(pid) is not int or not 1 <= pid <= PID_MAX or type(nonce) is not str or len(nonce) > 64:
         return None
-    return owner
+    return cast(ClaimBody, owner)
+
+
+_ClaimKey = tuple[str, str | None, float]  # a claim object's URL, version and mtime: its body is read once per key
 
 
 class PrefixSource(DirectorySource, for_urls=True):
@@ -81,6 +94,7 @@ class PrefixSource(DirectorySource, for_urls=True):
 
     ack_in_background = True  # two requests per delivered sample: off the trainer's thread
     fed_from_trainer = False  # its claims are atomic: workers take themselves
+    spread = True  # a claim costs requests: consumers start apart, so fewer lose races
 
     def __init__(self, url: str, *, delete_after_load: bool = True, poll_interval: float = 0.2) -> None:
         if poll_interval <= 0:
@@ -89,12 +103,10 @@ class PrefixSource(DirectorySource, for_urls=True):
         self.delete_after_load = delete_after_load
         self.poll_interval = poll_interval
         self.refused = 0  # claims refused in this process, each counted once
-        self._owners: dict[tuple, dict | None] = {}  # (claim URL, version, mtime) -> its owner
+        self._owners: dict[_ClaimKey, ClaimBody | None] = {}  # (claim URL, version, mtime) -> its owner
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "refused": 0, "_owners": {}}
-
-    spread = True  # a claim costs requests: consumers start apart, so fewer lose races
 
     def _scan(self) -> Scan:
         entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
@@ -116,7 +128,8 @@ class PrefixSource(DirectorySource, for_urls=True):
     def _claims_in(self, scan: Scan) -> list[Claim]:
         """The claims among the objects listed whose bodies name their owner (claims that vanish are
         skipped); each body is read once (``_owners`` caches them by URL, version and time)."""
-        out, seen = [], set()
+        out: list[Claim] = []
+        seen: set[_ClaimKey] = set()
         for name, entry in scan.listing.items():
             if name.endswith(CLAIM) and name[: -len(CLAIM)] in scan.listing:
                 key = (entry.url, entry.version, entry.mtime)
@@ -136,7 +149,10 @@ class PrefixSource(DirectorySource, for_urls=True):
     def _release(self, claim: Claim) -> bool:
         return bool(_objects.remove(claim.ref))
 
-    def _claim(self, entry: _objects.Entry, owner: Owner) -> tuple[str, Storage] | None:
+    # The claim loop hands each source the entries of its own ``_scan``: objects here, names in a
+    # directory. Typing that link needs a source generic in its entries, which the public
+    # ``DirectorySource`` is not (``DirectorySource(url)`` makes a ``PrefixSource``, so one subclasses the other).
+    def _claim(self, entry: _objects.Entry, owner: Owner) -> tuple[str, Storage] | None:  # type: ignore[override]
         body = json.dumps({**owner._asdict(), "nonce": secrets.token_hex(8)}).encode()
         if not _objects.create_if_absent(entry.url + CLAIM, body):
             return None  # another consumer won it
@@ -145,7 +161,7 @@ class PrefixSource(DirectorySource, for_urls=True):
             return None
         return entry.url, ObjectStorage(entry.url, size=entry.size, version=entry.version)
 
-    def _owner(self, entry: _objects.Entry) -> dict | None:
+    def _owner(self, entry: _objects.Entry) -> ClaimBody | None:
         """The owner a claim names; None (counted, logged) for one that is too large or does not parse."""
         owner = None
         if entry.size <= _limits.CLAIM_MAX_BYTES:  # never read a large one at all
@@ -161,7 +177,7 @@ class PrefixSource(DirectorySource, for_urls=True):
             )
         return owner
 
-    def ack(self, tokens: list) -> None:
+    def ack(self, tokens: list[str]) -> None:
         """Settle claims whose samples reached the trainer: delete the objects (or add ``NAME.loaded``)
         and their claims.
 
@@ -175,7 +191,7 @@ class PrefixSource(DirectorySource, for_urls=True):
                 _objects.put(url + LOADED, [b""])
             _objects.remove(url + CLAIM)
 
-    def fail(self, tokens: list) -> None:
+    def fail(self, tokens: list[str]) -> None:
         """Settle claims whose objects could not be loaded: add ``NAME.failed`` (never claimed again)
         and delete the claims.
 
@@ -186,15 +202,14 @@ class PrefixSource(DirectorySource, for_urls=True):
             _objects.put(url + FAILED, [b""])
             _objects.remove(url + CLAIM)
 
-    def keep_alive(self, tokens: list) -> None:
+    def keep_alive(self, tokens: list[str]) -> None:
         """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
 
         Args:
             tokens: Tokens from ``iterate``.
         """
-        # a claim lasts until its trainer dies
 
-    def give_back(self, tokens: list) -> None:
+    def give_back(self, tokens: list[str]) -> None:
         """Release claims that were never delivered: delete the claims, for any consumer to claim the objects.
 
         Args:
@@ -204,5 +219,5 @@ class PrefixSource(DirectorySource, for_urls=True):
             _objects.remove(url + CLAIM)
 
 
-def _alive(owner: dict) -> bool:
+def _alive(owner: ClaimBody) -> bool:
     return trainer_alive(owner["family"], owner["pid"])

@@ -24,8 +24,9 @@ __all__ = ["TMP_GRACE_S", "expired_files", "read_since_written", "remove"]
 TMP_GRACE_S = 600.0
 
 
-def expired_files(dirname: str | os.PathLike, older_than: float, *, now: float | None = None) -> list[str]:
-    """Paths of this library's files in ``dirname`` last modified over ``older_than`` s ago, oldest first.
+def expired_files(dirname: str, older_than: float, *, now: float | None = None) -> list[str]:
+    """Paths of this library's files in ``dirname`` (a directory, or an object-store prefix URL) last
+    modified over ``older_than`` s ago, oldest first.
 
     One ``os.scandir`` pass; a name younger than the cutoff (names start with their save time) is
     skipped without a ``stat``. Files that vanish meanwhile, and a missing directory, are no error.

@@ -19,9 +19,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
 
 from .._format import file as _format
+from .._format.spec import corrupt
 from .._retry import Backoff
 from ..errors import StorageCorruptError, StorageError, StorageNotFoundError, StorageUnavailableError
 from . import s3 as _s3
@@ -38,6 +39,9 @@ from .config import (  # the object-store facade: callers find configuration her
     snapshot,
 )
 from .s3 import use_obstore_here
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "Config",
@@ -132,7 +136,11 @@ def bounded(stop: threading.Event | None = None, seconds: float | None = None) -
         _local.stop, _local.deadline = saved
 
 
-def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def retrying(url: str, what: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """``fn(*args, **kwargs)``, retried on transient errors; client errors become ours, naming ``url``."""
     backoff = None  # the time budget starts at the first failure
     stop, cut = getattr(_local, "stop", None), getattr(_local, "deadline", None)
@@ -181,15 +189,18 @@ def retrying(url: str, what: str, fn: Callable, *args: Any, **kwargs: Any) -> An
 
 
 # --------------------------------------------------------------------------------- obstore
-def _obstore(url: str):
-    """An obstore store for ``url``'s bucket, or None (not S3, not a worker, not installed, or options
-    it cannot take): see ``s3``."""
+def _obstore(url: str) -> object | None:
+    """An obstore store for ``url``'s bucket (only ``s3`` uses it), or None (not S3, not a worker, not
+    installed, or options it cannot take): see ``s3``."""
     if protocol(url) not in ("s3", "s3a"):
         return None
-    return _s3.store(root(url), config_for(url).storage_options)
+    store: object | None = _s3.store(root(url), config_for(url).storage_options)
+    return store
 
 
-def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None, sink: Callable[[int, Any], None]) -> None:
+def _get_ranges(
+    url: str, ranges: list[tuple[int, int]], version: str | None, sink: Callable[[int, Buffer], None]
+) -> None:
     """Read ``ranges`` of ``url``, at most ``WINDOW`` in flight at a time; ``sink(i, data)`` takes range ``i``
     as it arrives (and must copy it: the buffer is dropped afterwards)."""
     store = _obstore(url)
@@ -209,8 +220,9 @@ def _get_ranges(url: str, ranges: list[tuple[int, int]], version: str | None, si
             del data
 
 
-def _get(url: str, start: int, end: int, version: str | None) -> bytes:
-    out: list = []
+def _get(url: str, start: int, end: int, version: str | None) -> Buffer:
+    """Bytes ``start:end`` of ``url``: ``bytes`` from fsspec, a buffer of obstore's own from obstore."""
+    out: list[Buffer] = []
     _get_ranges(url, [(start, end)], version, lambda i, data: out.append(data))
     return out[0]
 
@@ -223,12 +235,12 @@ def read_header(url: str, size: int | None, version: str | None) -> tuple[_forma
     first = min(size, _HEAD) if size else _HEAD
     raw = memoryview(retrying(url, "reading the header", _get, url, 0, first, version))
     if len(raw) < first:
-        raise _format.corrupt(url, f"object is truncated ({len(raw)} bytes, its handle says {size})")
+        raise corrupt(url, f"object is truncated ({len(raw)} bytes, its handle says {size})")
     need = _format.header_end(raw, url, size)
     if len(raw) < need:
-        rest = retrying(url, "reading the header", _get, url, len(raw), need, version)
+        rest = memoryview(retrying(url, "reading the header", _get, url, len(raw), need, version))
         if len(rest) != need - len(raw):
-            raise _format.corrupt(url, f"object is truncated ({len(raw) + len(rest)} bytes, its header needs {need})")
+            raise corrupt(url, f"object is truncated ({len(raw) + len(rest)} bytes, its header needs {need})")
         raw = memoryview(bytes(raw) + bytes(rest))  # (obstore gives a buffer of its own, not bytes)
         del rest
     return _format.parse_header(raw, url, size), raw
@@ -243,17 +255,17 @@ def read_into(url: str, view: memoryview, offset: int, version: str | None, have
     if not ranges:
         return
 
-    def land(i: int, data: Any) -> None:
+    def land(i: int, data: Buffer) -> None:
         start, end = ranges[i]
         with memoryview(data) as part:
             if len(part) != end - start:
-                raise _format.corrupt(url, f"object shrank while it was read ({len(part)} of {end - start} bytes)")
+                raise corrupt(url, f"object shrank while it was read ({len(part)} of {end - start} bytes)")
             view[start - offset : end - offset] = part
 
     retrying(url, "reading", _get_ranges, url, ranges, version, land)
 
 
-def put(url: str, buffers: list) -> str | None:
+def put(url: str, buffers: list[bytes | memoryview]) -> str | None:
     """Publish one object whole (an object store shows a PUT only once complete); returns its version tag."""
     data = b"".join(buffers)
     response = retrying(url, "writing", filesystem(url).pipe_file, url, data)
@@ -287,12 +299,14 @@ def exists(url: str) -> bool:
 
 
 def read_all(url: str) -> bytes:
-    return retrying(url, "reading", filesystem(url).cat_file, url)
+    data: bytes = retrying(url, "reading", filesystem(url).cat_file, url)
+    return data
 
 
 def read_head(url: str, limit: int) -> bytes:
     """At most the first ``limit`` bytes of ``url`` (one ranged read: never the whole of a large object)."""
-    return retrying(url, "reading", filesystem(url).cat_file, url, start=0, end=limit)
+    data: bytes = retrying(url, "reading", filesystem(url).cat_file, url, start=0, end=limit)
+    return data
 
 
 def remove(url: str) -> bool:
@@ -318,9 +332,10 @@ def listing(prefix: str) -> list[Entry]:
     fs = filesystem(prefix)
     proto = protocol(prefix)
 
-    def ls():
+    def ls() -> list[dict[str, Any]]:
         try:
-            return fs.ls(prefix, detail=True, refresh=True)
+            infos: list[dict[str, Any]] = fs.ls(prefix, detail=True, refresh=True)
+            return infos
         except FileNotFoundError:
             if proto in _BUCKETED and not fs.exists(root(prefix)):
                 raise StorageNotFoundError(
@@ -328,7 +343,7 @@ def listing(prefix: str) -> list[Entry]:
                 ) from None
             return []  # nothing under the prefix yet
 
-    out = []
+    out: list[Entry] = []
     for info in retrying(prefix, "listing", ls):
         if info.get("type") != "file":
             continue

@@ -287,8 +287,7 @@ class StorageDataset(IterableDataset[Any]):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Every dataset in a process was made (__init__) or unpickled here, and each installs the hooks:
-        # a spawned DataLoader worker collates its items, another trainer makes DataLoader iterators.
+        # A spawned DataLoader worker collates this dataset's items; another trainer makes its iterators.
         hooks.install(WorkerItem, collate_items)
         self.__dict__.update(state)
 

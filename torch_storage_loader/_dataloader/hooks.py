@@ -15,9 +15,8 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 - ``torch.utils.data.dataloader._BaseDataLoaderIter``, the base of every DataLoader iterator (and of
   torchdata's): it has no ``__new__`` of its own. ``install()`` gives it one, which chooses that
   subclass when the loader's dataset is a ``StorageDataset``, and for any other dataset makes torch's
-  own class, as ``object.__new__`` did. ``install()`` runs where a ``StorageDataset`` comes into a
-  process (made, or unpickled in a DataLoader worker), never at import: importing the library changes
-  nothing in torch, and once installed nothing for other DataLoaders.
+  own class, as ``object.__new__`` did. A ``StorageDataset`` installs it when made or unpickled, never
+  at import: importing the library changes nothing in torch, and installed, nothing for other DataLoaders.
 - ``torch._utils.ExceptionWrapper``: what a worker's failed item is.
 - ``torch.utils.data._utils.fetch._BaseDatasetFetcher``: its ``fetch(self, possibly_batched_index)``
   frame is two to five frames above a dataset's first ``next()`` (``fetch_context``).
@@ -175,14 +174,11 @@ def _iterator_classes() -> tuple[type, ...]:
 
 
 def install(item: type, collate_items: Callable[..., Any]) -> None:
-    """Check what the hooks need, then let DataLoaders over a ``StorageDataset`` make iterators with
-    them, and ``default_collate`` batch ``item`` objects with ``collate_items`` (idempotent, cheap once done).
+    """Check what the hooks need, then let DataLoaders over a ``StorageDataset`` make iterators with them
+    and ``default_collate`` batch ``item`` objects with ``collate_items`` (idempotent, cheap once done).
 
-    Called where a ``StorageDataset`` is made and where one is unpickled (a spawned DataLoader worker
-    collates there; another trainer makes iterators there), never at import. torch's classes keep their
-    methods: ``_BaseDataLoaderIter`` gains a ``__new__`` (``_new``) that, for any dataset but ours, makes
-    torch's own class as ``object.__new__`` did; ``default_collate_fn_map`` (the extension point torch
-    documents for ``default_collate``) gains ``item``. A torch that differs raises ``UnsupportedTorchError``.
+    torch's classes keep their methods: ``_BaseDataLoaderIter`` gains a ``__new__`` (``_new``) that, for
+    any dataset but ours, makes torch's own class as ``object.__new__`` did.
     """
     base = _torch_dataloader._BaseDataLoaderIter
     if base.__dict__.get("__new__") is not _NEW:

@@ -2,8 +2,7 @@
 
 A ``WorkerItem`` pickles into a call of ``_receive``: in the trainer it unpickles into the
 sample itself and adds its counts to the dataset's (``stats``), keyed by the dataset's uid. With
-DataLoader-side batching, ``default_collate`` builds the samples in the worker (``collate_items``,
-which the dataset hands to ``hooks.install``).
+DataLoader-side batching, ``default_collate`` builds the samples in the worker (``collate_items``).
 
 What a worker skips or its source refuses comes with no item, so it cannot ride on one (the last
 handles of a worker's share may all fail): the worker adds it to ``WorkerCounts``, a small tensor
@@ -119,10 +118,9 @@ def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool,
 
 
 def collate_items(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
-    """``default_collate`` for a batch of ``WorkerItem``: DataLoader-side batching (``DataLoader(ds,
-    batch_size=n)``) collates in the worker, so each sample is built there and the default path ships
-    the collated batch (slower, but correct). For ``device=``, the collated batch goes back into a
-    slot, to be copied to the device in one piece."""
+    """``default_collate`` for ``WorkerItem`` batches: DataLoader-side batching collates in the worker, so
+    each sample is built there and the collated batch shipped (slower, but correct); for ``device=`` it goes
+    back into a slot, to be copied to the device in one piece."""
     collated = hooks.collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
     first = batch[0]
     opts = first.payload.opts

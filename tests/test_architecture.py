@@ -256,6 +256,27 @@ def test_the_dataset_imports_neither_the_loader_nor_redis_nor_lightning():
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)  # a fresh process: nothing imported yet
 
 
+def test_hooks_not_installed_by_import():
+    """Importing the package, or any module of it, changes nothing in torch: the DataLoader hooks are
+    installed where a ``StorageDataset`` is made (or unpickled), not as an import's side effect."""
+    modules = [f"torch_storage_loader.{n}" if n else "torch_storage_loader" for n in _modules()]
+    code = (
+        "import importlib\n"
+        "from torch.utils.data import dataloader\n"
+        "from torch.utils.data._utils import collate\n"
+        "before = dict(collate.default_collate_fn_map)\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert '__new__' not in dataloader._BaseDataLoaderIter.__dict__, 'installed at import'\n"
+        "assert collate.default_collate_fn_map == before, 'default_collate_fn_map changed at import'\n"
+        "from torch_storage_loader import StorageDataset\n"
+        "StorageDataset([])\n"
+        "assert '__new__' in dataloader._BaseDataLoaderIter.__dict__, 'not installed by StorageDataset()'\n"
+        "assert set(collate.default_collate_fn_map) - set(before), 'no collate entry from StorageDataset()'\n"
+    )
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)  # a fresh process: nothing imported yet
+
+
 def test_the_private_torch_scan_sees_what_it_should():
     scan = _private_torch(
         ast.parse(

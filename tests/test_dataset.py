@@ -111,8 +111,12 @@ def test_kept_batches_never_change(handles):
     assert stats["copies"] > 0 and stats["regrows"] >= 2, stats
 
 
-def test_dataloader_side_batching_still_works(handles):
-    out = list(DataLoader(StorageDataset(handles), batch_size=4, num_workers=2))
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_side_batching_still_works(handles, method):
+    # The workers collate the dataset's items with the entry the hooks add to default_collate_fn_map:
+    # a spawned worker imports nothing of the library but what unpickling the dataset brings (the
+    # hooks are not installed at import), and has it all the same.
+    out = list(DataLoader(StorageDataset(handles), batch_size=4, num_workers=2, multiprocessing_context=method))
     assert out[0]["obs"].shape == (4, 8, 4, 8, 8)
     assert sorted(int(i) for b in out for i in b["info"]["id"]) == list(range(24))
 

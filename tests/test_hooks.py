@@ -10,6 +10,7 @@ from torch.utils.data import dataloader
 
 from torch_storage_loader import UnsupportedTorchError
 from torch_storage_loader._dataloader import hooks
+from torch_storage_loader._dataloader.items import WorkerItem, collate_items
 
 
 def test_the_installed_torch_has_what_the_hooks_wrap(handles):
@@ -17,9 +18,10 @@ def test_the_installed_torch_has_what_the_hooks_wrap(handles):
 
     from torch_storage_loader import StorageDataset
 
-    hooks.install()  # idempotent
+    ds = StorageDataset(handles[:2])  # installs the hooks
+    hooks.install(WorkerItem, collate_items)  # idempotent
     torch_class = dataloader._MultiProcessingDataLoaderIter
-    it = iter(DataLoader(StorageDataset(handles[:2]), batch_size=None, num_workers=1))
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
     # A StorageDataset's iterator is a subclass of torch's with the hooks; torch's class keeps its methods.
     assert type(it).__bases__ == (torch_class,) and type(it)._process_data is not torch_class._process_data
     assert sorted(int(s["info"]["id"]) for s in it) == [0, 1]
@@ -47,8 +49,9 @@ def test_an_iterator_whose_end_is_not_seen_is_refused():
         hooks.check_iterator(_NoEndCall)
 
 
-def test_importing_the_dataset_under_a_changed_torch_raises_unsupported_torch_error():
-    # A fresh interpreter whose torch iterator class has the old signature: the hooks install at import.
+def test_a_dataset_made_under_a_changed_torch_raises_unsupported_torch_error():
+    # A fresh interpreter whose torch iterator class has the old signature: the library imports (the
+    # hooks are not installed at import), and the first StorageDataset, which installs them, is refused.
     code = textwrap.dedent("""
         from torch.utils.data import dataloader
 
@@ -57,9 +60,9 @@ def test_importing_the_dataset_under_a_changed_torch_raises_unsupported_torch_er
                 return data
 
         dataloader._MultiProcessingDataLoaderIter = _MultiProcessingDataLoaderIter
-        from torch_storage_loader import UnsupportedTorchError
+        from torch_storage_loader import StorageDataset, UnsupportedTorchError
         try:
-            import torch_storage_loader.dataset
+            StorageDataset([])
         except UnsupportedTorchError as exc:
             print("REFUSED", exc)
         else:
@@ -77,16 +80,18 @@ def test_importing_the_dataset_under_a_changed_torch_raises_unsupported_torch_er
     assert "_process_data(self, data)" in out.stdout and "torch >= 2.7" in out.stdout
 
 
-# What a user's script does with a plain IterableDataset, with or without the library imported:
-# torch's own failure modes must look the same either way (issue 28).
+# What a user's script does with a plain IterableDataset, with or without the library's hooks installed
+# (a StorageDataset made first): torch's own failure modes must look the same either way (issue 28).
 _PLAIN_LOADER = """
 import multiprocessing as mp
 import os
 import signal
 import sys
 
-if sys.argv[2] == "import":
-    from torch_storage_loader import StorageDataset  # noqa: F401  (what a user of the library imports)
+if sys.argv[2] == "hooked":
+    from torch_storage_loader import StorageDataset
+
+    StorageDataset([])  # installs the hooks: importing the library alone changes nothing in torch
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -129,11 +134,11 @@ def _frames(stderr: str) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["raise", "kill", "drop"])
-def test_importing_the_library_leaves_plain_dataloaders_as_torch_has_them(tmp_path, mode):
+def test_the_librarys_hooks_leave_plain_dataloaders_as_torch_has_them(tmp_path, mode):
     from _helpers import run_script
 
     plain = run_script(_PLAIN_LOADER, tmp_path, timeout=120, args=(mode, "plain"))
-    imported = run_script(_PLAIN_LOADER, tmp_path, timeout=120, args=(mode, "import"))
+    imported = run_script(_PLAIN_LOADER, tmp_path, timeout=120, args=(mode, "hooked"))
     assert imported.stdout == plain.stdout, (plain.stdout, imported.stdout)
     assert imported.stdout.startswith("torch.utils.data.dataloader _MultiProcessingDataLoaderIter\n")
     assert imported.returncode == plain.returncode, imported.stderr[-3000:]
@@ -161,22 +166,29 @@ classes = [c for m in (dataloader, stateful_dataloader) for c in vars(m).values(
            if inspect.isclass(c) and c.__module__ == m.__name__]
 before = {c: dict(vars(c)) for c in classes}
 
-import torch_storage_loader.dataset  # noqa: E402,F401  (the module that installs the hooks)
 
-changed = sorted(f"{c.__qualname__}.{k}" for c in classes for k in set(before[c]) | set(vars(c))
-                 if before[c].get(k, None) is not vars(c).get(k, None))
-print(changed)
+def changed():
+    return sorted(f"{c.__qualname__}.{k}" for c in classes for k in set(before[c]) | set(vars(c))
+                  if before[c].get(k, None) is not vars(c).get(k, None))
+
+
+from torch_storage_loader import StorageDataset  # noqa: E402
+
+print(changed())
+StorageDataset([])  # installs the hooks
+print(changed())
 """
 
 
-def test_importing_the_library_changes_no_method_of_torchs_dataloader_classes(tmp_path):
+def test_the_hooks_change_no_method_of_torchs_dataloader_classes(tmp_path):
     from _helpers import run_script
 
     out = run_script(_TORCH_CLASSES, tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    # Only the class every DataLoader iterator is made through learns to pick ours for a StorageDataset;
-    # for any other dataset it makes torch's own class, as object.__new__ does.
-    assert out.stdout.strip() == "['_BaseDataLoaderIter.__new__']", out.stdout
+    # Importing changes nothing. Once a StorageDataset is made, only the class every DataLoader iterator
+    # is made through learns to pick ours for it; for any other dataset it makes torch's own class, as
+    # object.__new__ does.
+    assert out.stdout.splitlines() == ["[]", "['_BaseDataLoaderIter.__new__']"], out.stdout
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

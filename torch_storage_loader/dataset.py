@@ -28,7 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ._dataloader import hooks
 from ._dataloader.epochs import EpochCounters
-from ._dataloader.items import WorkerCounts, WorkerItem, counts, record
+from ._dataloader.items import WorkerCounts, WorkerItem, collate_items, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
 from ._format import trust as _trust
 from ._options import check_option, take
@@ -167,6 +167,8 @@ class StorageDataset(IterableDataset[Any]):
             ``shuffle=True`` with a streaming source, or ``storage_options`` with no bucket to apply to.
         StreamEndedError: ``source`` is a directory or prefix whose stream had ended before this
             dataset was made (see ``DirectorySource.check_start``): call ``start_directory_stream``.
+        UnsupportedTorchError: The installed torch lacks a private piece the DataLoader hooks rely on
+            (checked by the first dataset made in a process, which installs them), naming the torch needed.
 
     Examples:
         >>> import torch
@@ -197,6 +199,7 @@ class StorageDataset(IterableDataset[Any]):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
+        hooks.install(WorkerItem, collate_items)  # here, not at import: see __setstate__
         take(DatasetOptions, locals())  # checks them
         self.device = _device.normalize(device)  # None, or a device this process copies samples to
         roots = _trust.roots(trusted_roots)  # raises ValueError naming trusted_roots
@@ -282,6 +285,11 @@ class StorageDataset(IterableDataset[Any]):
         if state["_dist"] is None:
             state["_dist"] = _live_dist()  # a spawned worker has no process group of its own
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A spawned DataLoader worker collates this dataset's items; another trainer makes its iterators.
+        hooks.install(WorkerItem, collate_items)
+        self.__dict__.update(state)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iterations (as ``DistributedSampler.set_epoch``): call it before ``iter()``.

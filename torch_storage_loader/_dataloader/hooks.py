@@ -15,7 +15,8 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 - ``torch.utils.data.dataloader._BaseDataLoaderIter``, the base of every DataLoader iterator (and of
   torchdata's): it has no ``__new__`` of its own. ``install()`` gives it one, which chooses that
   subclass when the loader's dataset is a ``StorageDataset``, and for any other dataset makes torch's
-  own class, as ``object.__new__`` did: importing the library changes nothing for other DataLoaders.
+  own class, as ``object.__new__`` did. A ``StorageDataset`` installs it when made or unpickled, never
+  at import: importing the library changes nothing in torch, and installed, nothing for other DataLoaders.
 - ``torch._utils.ExceptionWrapper``: what a worker's failed item is.
 - ``torch.utils.data._utils.fetch._BaseDatasetFetcher``: its ``fetch(self, possibly_batched_index)``
   frame is two to five frames above a dataset's first ``next()`` (``fetch_context``).
@@ -62,7 +63,6 @@ __all__ = [
     "loader_iterator",
     "pin_thread_for",
     "pin_thread_unavailable",
-    "register_collate",
     "shutdown_iterator",
 ]
 
@@ -173,25 +173,26 @@ def _iterator_classes() -> tuple[type, ...]:
     return (*classes, stateful_dataloader._StatefulMultiProcessingDataLoaderIter)
 
 
-def install() -> None:
-    """Check what the hooks need, and let DataLoaders over a ``StorageDataset`` make iterators with them (idempotent).
+def install(item: type, collate_items: Callable[..., Any]) -> None:
+    """Check what the hooks need, then let DataLoaders over a ``StorageDataset`` make iterators with them
+    and ``default_collate`` batch ``item`` objects with ``collate_items`` (idempotent, cheap once done).
 
-    torch's classes keep their methods: ``_BaseDataLoaderIter`` gains a ``__new__`` (``_new``) that,
-    for any dataset but ours, makes torch's own class as ``object.__new__`` did.
+    torch's classes keep their methods: ``_BaseDataLoaderIter`` gains a ``__new__`` (``_new``) that, for
+    any dataset but ours, makes torch's own class as ``object.__new__`` did.
     """
-    _check_fetcher()
     base = _torch_dataloader._BaseDataLoaderIter
-    if base.__dict__.get("__new__") is _NEW:
-        return
-    for cls in (base, *_iterator_classes()):
-        if cls.__new__ is not object.__new__:
-            raise UnsupportedTorchError(
-                f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has a __new__ of its own, where "
-                f"the hooks choose the iterator class; torch_storage_loader needs {NEEDS}"
-            )
-    for cls in _iterator_classes():
-        _delivering(cls)  # checks what it overrides: a torch that differs is refused at import
-    base.__new__ = _NEW
+    if base.__dict__.get("__new__") is not _NEW:
+        _check_fetcher()
+        for cls in (base, *_iterator_classes()):
+            if cls.__new__ is not object.__new__:
+                raise UnsupportedTorchError(
+                    f"torch {torch.__version__}: {cls.__module__}.{cls.__qualname__} has a __new__ of its own, "
+                    f"where the hooks choose the iterator class; torch_storage_loader needs {NEEDS}"
+                )
+        for cls in _iterator_classes():
+            _delivering(cls)  # checks what it overrides: a torch that differs is refused before any use
+        base.__new__ = _NEW
+    _collate.default_collate_fn_map[item] = collate_items  # checked a dict by _check_fetcher
 
 
 def _reads_storage(loader: Any) -> bool:
@@ -226,11 +227,6 @@ def _check_batching(loader: Any) -> None:
         f"{loader.batch_size}) would batch them again (into [{loader.batch_size}, {per_item}, ...]): "
         "pass DataLoader(..., batch_size=None), or leave the dataset's batch_size None to batch in the DataLoader"
     )
-
-
-def register_collate(kind: type, fn: Callable) -> None:
-    """``default_collate`` calls ``fn(batch, collate_fn_map=...)`` for a batch of ``kind`` objects."""
-    _collate.default_collate_fn_map[kind] = fn
 
 
 def _open(loader: Any) -> Ledger | None:
@@ -359,7 +355,7 @@ def fetch_context() -> tuple[bool, int]:
     """(whether the DataLoader passes a dataset's items to a collate_fn of the user's, items per DataLoader item).
 
     Called from a dataset iterator's first step, which torch's dataset fetcher runs: its
-    ``collate_fn`` is the DataLoader's. Ours (``default_collate`` with a ``register_collate`` entry,
+    ``collate_fn`` is the DataLoader's. Ours (``default_collate`` with the entry ``install`` adds,
     or ``default_convert``) ship references; a user's function must see samples instead. With
     DataLoader-side batching the fetcher asks for as many items as its index list is long.
     """

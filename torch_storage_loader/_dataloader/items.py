@@ -2,7 +2,7 @@
 
 A ``WorkerItem`` pickles into a call of ``_receive``: in the trainer it unpickles into the
 sample itself and adds its counts to the dataset's (``stats``), keyed by the dataset's uid. With
-DataLoader-side batching, ``default_collate`` builds the samples in the worker (``_collate``).
+DataLoader-side batching, ``default_collate`` builds the samples in the worker (``collate_items``).
 
 What a worker skips or its source refuses comes with no item, so it cannot ride on one (the last
 handles of a worker's share may all fail): the worker adds it to ``WorkerCounts``, a small tensor
@@ -21,7 +21,7 @@ import torch
 from .._shm.filling import FillInfo, SlotFiller
 from . import hooks
 
-__all__ = ["STAT_KEYS", "WorkerCounts", "WorkerItem", "counts", "record"]
+__all__ = ["STAT_KEYS", "WorkerCounts", "WorkerItem", "collate_items", "counts", "record"]
 
 _stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 _stats_lock = threading.Lock()
@@ -117,10 +117,10 @@ def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool,
     return sample
 
 
-def _collate(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
-    # DataLoader-side batching (DataLoader(ds, batch_size=n)) collates in the worker: build each
-    # sample there, and let the default path ship the collated batch (slower, but correct). For
-    # device=, the collated batch goes back into a slot, to be copied to the device in one piece.
+def collate_items(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate`` for ``WorkerItem`` batches: DataLoader-side batching collates in the worker, so
+    each sample is built there and the collated batch shipped (slower, but correct); for ``device=`` it goes
+    back into a slot, to be copied to the device in one piece."""
     collated = hooks.collate([d.filler.materialize_here(d.payload) for d in batch], collate_fn_map=collate_fn_map)
     first = batch[0]
     opts = first.payload.opts
@@ -128,11 +128,6 @@ def _collate(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
         return collated
     info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
     return WorkerItem(None, info, payload, first.filler)  # its samples are not counted, as without device=
-
-
-# The extension point torch documents for default_collate: a collate function per element type.
-hooks.register_collate(WorkerItem, _collate)
-hooks.install()  # raises UnsupportedTorchError, naming the torch needed, where torch differs
 
 
 def counts(uid: str, skipped: int, refused: int) -> dict[str, int]:

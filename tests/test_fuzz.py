@@ -699,7 +699,7 @@ def test_any_claim_body_names_a_valid_owner_or_none(raw):
         assert sorted(owner) == ["family", "host", "nonce", "pid"]
         assert type(owner["pid"]) is int and 1 <= owner["pid"] <= _proc.PID_MAX
         assert _proc.parse_pid(owner["family"]) is not None
-        assert type(_prefix._alive(owner)) is bool
+        assert type(_proc.trainer_alive(owner["family"], owner["pid"])) is bool
 
 
 DIGITISH = st.sampled_from(

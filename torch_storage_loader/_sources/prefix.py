@@ -18,7 +18,7 @@ from typing import Any, TypedDict, cast
 from .._format import limits as _limits
 from .._format.names import FAILED, LOADED, SUFFIX
 from .._format.names import OBJECT_CLAIM as CLAIM
-from .._proc import PID_MAX, parse_pid, trainer_alive
+from .._proc import PID_MAX, parse_pid
 from .._stores import objects as _objects
 from ..errors import StorageNotFoundError
 from ..storage import ObjectStorage, Storage
@@ -202,13 +202,6 @@ class PrefixSource(DirectorySource, for_urls=True):
             _objects.put(url + FAILED, [b""])
             _objects.remove(url + CLAIM)
 
-    def keep_alive(self, tokens: list[str]) -> None:
-        """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
-
-        Args:
-            tokens: Tokens from ``iterate``.
-        """
-
     def give_back(self, tokens: list[str]) -> None:
         """Release claims that were never delivered: delete the claims, for any consumer to claim the objects.
 
@@ -217,7 +210,3 @@ class PrefixSource(DirectorySource, for_urls=True):
         """
         for url in tokens:
             _objects.remove(url + CLAIM)
-
-
-def _alive(owner: ClaimBody) -> bool:
-    return trainer_alive(owner["family"], owner["pid"])

@@ -29,9 +29,8 @@ PRIVATE_TORCH_NAMES = re.compile(
 )
 # Import cycles between the package's first-level parts (a subpackage ``_x`` taken as one, or a
 # top-level module), still to be broken: remove an entry when it is; the test fails when one is no
-# longer needed. _format/codec.py (handle records) imports storage.py's handle classes, storage.py
-# imports _stores/objects.py, and _stores imports _format (file names, the file layout).
-PENDING_PACKAGE_CYCLES = {frozenset({"_format", "_stores", "storage"})}
+# longer needed. None left.
+PENDING_PACKAGE_CYCLES: set[frozenset[str]] = set()
 # Modules and classes still over the size limits, each to be split (or given its reason) in turn:
 # remove an entry when it is done; the test fails when an entry is no longer needed.
 PENDING_SIZE: set[str] = set()

@@ -214,10 +214,10 @@ def test_docstring_examples_run(test_id: str, tmp_path: Path, monkeypatch: pytes
     assert obj.docstring is not None
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     # Examples may register storage types or configure object stores: undo that for the tests after.
-    from torch_storage_loader._format import codec
+    from torch_storage_loader._redis import records
     from torch_storage_loader._stores import config
 
-    monkeypatch.setattr(codec, "_REGISTRY", dict(codec._REGISTRY))
+    monkeypatch.setattr(records, "_REGISTRY", dict(records._REGISTRY))
     monkeypatch.setattr(config, "_config", dict(config._config))
     test = doctest.DocTestParser().get_doctest(
         obj.docstring.value,

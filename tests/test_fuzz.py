@@ -47,13 +47,12 @@ from torch_storage_loader import (
     _proc,
 )
 from torch_storage_loader._format import batch as _batch
-from torch_storage_loader._format import codec as _codec
 from torch_storage_loader._format import file as _format
 from torch_storage_loader._format import tree as _tree
-from torch_storage_loader._format import trust as _trust
 from torch_storage_loader._redis import records as _records
 from torch_storage_loader._sources import directory as _directory
 from torch_storage_loader._sources import prefix as _prefix
+from torch_storage_loader._untrusted import trust as _trust
 
 EXAMPLES = max(10, int(os.environ.get("TSL_FUZZ_EXAMPLES", "200")))
 SLOW_EXAMPLES = max(5, EXAMPLES // 10)  # cases that go through worker processes or Redis
@@ -603,7 +602,7 @@ def test_any_record_decodes_to_a_confined_handle_or_is_refused(tmp_path):
         _ran["records"] += 1
         start = time.monotonic()
         try:
-            _check_decoded(_codec.decode(raw, trusted_roots=roots), root)
+            _check_decoded(_records.decode(raw, trusted_roots=roots), root)
         except (HandleRecordError, UntrustedStorageError):
             pass
         assert time.monotonic() - start < BOUND_S
@@ -628,7 +627,9 @@ def test_any_stream_entry_is_delivered_or_refused(tmp_path):
         entries = [(b"1-1", {b"h": raw}), (b"1-2", fields), (b"1-3", None)]
         if as_list:  # a script's reply: [field, value, ...]
             entries = [(i, None if f is None else [x for kv in f.items() for x in kv]) for i, f in entries]
-        decoded = _records.decode(entries, q.stream, allow_pickle=False, roots=_trust.roots([root, "s3://bucket/run"]))
+        decoded = _records.decode_entries(
+            entries, q.stream, allow_pickle=False, roots=_trust.roots([root, "s3://bucket/run"])
+        )
         assert len(decoded) == 2  # the entry deleted while pending is skipped
         for _, item in decoded:
             if isinstance(item, StorageError):
@@ -1005,12 +1006,12 @@ def test_a_dataloader_over_hostile_directory_entries_ends_with_every_good_file(t
 
 
 # Registered subclasses keep the library's own load path: their records are confined like their base's.
-@_codec.register_storage_type
+@_records.register_storage_type
 class FuzzFileStorage(FileStorage):
     pass
 
 
-@_codec.register_storage_type
+@_records.register_storage_type
 class FuzzObjectStorage(ObjectStorage):
     pass
 
@@ -1018,7 +1019,7 @@ class FuzzObjectStorage(ObjectStorage):
 def test_any_record_of_a_registered_subclass_is_confined_or_refused(tmp_path):
     root = _record_root(tmp_path)
     roots = _trust.roots([root, "s3://bucket/run"])
-    names = [_codec._type_name(FuzzFileStorage), _codec._type_name(FuzzObjectStorage)]
+    names = [_records._type_name(FuzzFileStorage), _records._type_name(FuzzObjectStorage)]
 
     @fuzz_settings()
     @given(raw=hostile_records(root), name=st.sampled_from(names), extra=st.booleans())
@@ -1033,7 +1034,7 @@ def test_any_record_of_a_registered_subclass_is_confined_or_refused(tmp_path):
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             pass  # not JSON (to this test's parser): sent as it is
         try:
-            storage = _codec.decode(raw, trusted_roots=roots)
+            storage = _records.decode(raw, trusted_roots=roots)
         except (HandleRecordError, UntrustedStorageError):
             return
         if isinstance(storage, FileStorage):

@@ -37,7 +37,7 @@ from torch_storage_loader import (
     StorageUnavailableError,
     end_directory_stream,
 )
-from torch_storage_loader._format import codec as _codec
+from torch_storage_loader._redis import records as _records
 from torch_storage_loader._stores import config as _stores_config
 from torch_storage_loader._stores import objects as _objects
 
@@ -137,7 +137,7 @@ def test_allow_pickle_must_be_a_json_boolean(redis_server, tmp_path):
         q.delete()
     for value in (1, 1.0, "no", [0], None):
         with pytest.raises(HandleRecordError, match="allow_pickle"):
-            _codec.decode(
+            _records.decode(
                 json.dumps({"type": "FileStorage", "fields": {"path": str(path), "allow_pickle": value}}),
                 trusted_roots=[str(tmp_path)],
             )
@@ -652,7 +652,7 @@ def test_module_locks_are_renewed_at_fork():
 
     cases = {
         "_stores.config": (lambda: _stores_config._lock, lambda: _objects.snapshot()),
-        "_codec": (lambda: _codec._lock, lambda: _codec.registered_storage_types()),
+        "_redis.records": (lambda: _records._lock, lambda: _records.registered_storage_types()),
         "dataset": (lambda: items._stats_lock, lambda: items.record("x", FillInfo("slot", 1), 0)),
     }
     for name, (lock, use) in cases.items():

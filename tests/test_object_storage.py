@@ -360,8 +360,8 @@ def test_chunked_reads_of_a_missing_object_name_it(tmp_path):
 
 def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server, s3_bucket):
     from torch_storage_loader import UntrustedStorageError
-    from torch_storage_loader._format import codec as _codec
-    from torch_storage_loader._format import trust as _trust
+    from torch_storage_loader._redis import records as _records
+    from torch_storage_loader._untrusted import trust as _trust
 
     configure_object_store(f"s3://{s3_bucket}", s3_server.storage_options)
     with FileStorageLoader(f"s3://{s3_bucket}/m", worker_num=1, retry_timeout=60) as loader:
@@ -370,10 +370,10 @@ def test_configuration_merges_stays_secret_and_bounds_network_handles(s3_server,
     assert _objects.config_for(h.url) == _objects.Config(s3_server.storage_options, 60)
     assert s3_server.SECRET not in repr(_objects.snapshot())
     roots = _trust.roots([f"s3://{s3_bucket}"])
-    assert _codec.decode(_codec.encode(h), trusted_roots=roots) == h
+    assert _records.decode(_records.encode(h), trusted_roots=roots) == h
     for url in ("http://127.0.0.1:1/x.tsl", f"s3://other-{s3_bucket}/m/x.tsl"):  # network handles stay in their roots
         with pytest.raises(UntrustedStorageError, match="trusted_roots"):
-            _codec.decode(_codec.encode(ObjectStorage(url)), trusted_roots=roots)
+            _records.decode(_records.encode(ObjectStorage(url)), trusted_roots=roots)
     with pytest.raises(StorageNotFoundError, match="does not exist"):
         missing = f"s3://nobucket-{uuid.uuid4().hex[:8]}/p"
         next(iter(DataLoader(StorageDataset(missing, storage_options=s3_server.storage_options), batch_size=None)))

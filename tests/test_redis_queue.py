@@ -367,7 +367,7 @@ def test_forged_records_are_refused(redis_server, tmp_path):
     from _helpers import MemoryStorage
 
     from torch_storage_loader import register_storage_type
-    from torch_storage_loader._format import codec as _codec
+    from torch_storage_loader._redis import records as _records
 
     q = RedisStorageQueue(redis_server.url, _stream(), trusted_roots=EVERYWHERE)
     raw = _raw(redis_server.url)
@@ -409,7 +409,7 @@ def test_forged_records_are_refused(redis_server, tmp_path):
             with pytest.raises(HandleRecordError, match=r"MemoryStorage.value is a bytes"):
                 q.put(MemoryStorage(b"raw", "m"))
         finally:
-            _codec._REGISTRY.pop("_helpers.MemoryStorage", None)
+            _records._REGISTRY.pop("_helpers.MemoryStorage", None)
     finally:
         raw.close()
         q.delete()
@@ -583,12 +583,12 @@ def test_keys_of_a_stream_share_one_cluster_slot():
 
 
 def test_a_stream_of_the_old_layout_is_refused_with_a_way_out(redis_server):
-    from torch_storage_loader._format import codec as _codec
+    from torch_storage_loader._redis import records as _records
 
     stream = _stream()
     raw = _raw(redis_server.url)
     try:  # what 0.1 left: the stream under its name, its group, tsl:NAME:... keys
-        raw.xadd(stream, {"h": _codec.encode(FileStorage("/old/0.tsl"))})
+        raw.xadd(stream, {"h": _records.encode(FileStorage("/old/0.tsl"))})
         raw.xgroup_create(stream, "trainers", id="0")
         raw.set(f"tsl:{stream}:closed", b"1")
         raw.hset(f"tsl:{stream}:producers", "host-1-abc", "host pid 1")

@@ -1,7 +1,7 @@
 # The public names, once: type checkers read this stub, and __init__.py reads it to build
 # __all__ and its lazy imports. Add a public name here, and its entry to the page of its kind in
 # docs/reference/ (tests/test_docstrings.py checks that the reference renders exactly these names).
-from ._format.codec import register_storage_type as register_storage_type
+from ._redis.records import register_storage_type as register_storage_type
 from ._sources import DirectorySource as DirectorySource
 from ._sources import end_directory_stream as end_directory_stream
 from ._sources import start_directory_stream as start_directory_stream

@@ -30,7 +30,6 @@ from ._dataloader import hooks
 from ._dataloader.epochs import EpochCounters
 from ._dataloader.items import WorkerCounts, WorkerItem, collate_items, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
-from ._format import trust as _trust
 from ._options import check_option, take
 from ._shm import device as _device
 from ._shm.alloc import check_slot_options
@@ -39,6 +38,7 @@ from ._shm.segments import default_shm_budget
 from ._sources import DirectorySource, ListSource, Source, as_source, end_directory_stream
 from ._sources.redis import RedisSource
 from ._stores import objects as _objects
+from ._untrusted import trust as _trust
 from .storage import Storage
 
 __all__ = ["StorageDataset", "end_directory_stream"]

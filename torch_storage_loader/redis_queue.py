@@ -11,7 +11,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._format import trust as _trust
 from ._options import take
 from ._redis import admin as _admin
 from ._redis.client import Client
@@ -21,6 +20,7 @@ from ._redis.keys import family as _family  # noqa: F401 -- kept importable from
 from ._redis.keys import stream_keys as stream_keys
 from ._redis.options import Options, renamed_retry_for
 from ._redis.producers import Producers
+from ._untrusted import trust as _trust
 from .storage import Storage
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class RedisStorageQueue:
 
     Whoever can write to the stream is not trusted: each entry is checked in Redis before it is
     sent (one ``h`` field of at most 64 KiB), then decoded as data with an exact schema (see
-    ``_codec``), and a ``FileStorage`` or ``ObjectStorage`` handle is delivered only if it names a
+    ``_redis.records``), and a ``FileStorage`` or ``ObjectStorage`` handle is delivered only if it names a
     file under one of ``trusted_roots`` (absolute directories) or an object under one of them
     (``s3://bucket/prefix``); others are refused, acknowledged and counted (``stats()["refused"]``). With
     none at all, ``get`` raises ``UntrustedStorageError`` and gives the entry back undelivered: nothing lost.

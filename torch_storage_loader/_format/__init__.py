@@ -1,2 +1,2 @@
-"""The versioned file format: header and array layout, sample trees, batch headers, handle records, limits and
-trusted roots. Reads defensively and never unpickles unless asked."""
+"""The versioned file format: header and array layout, sample trees and batch headers. Reads
+defensively (within ``_untrusted.bounded``'s limits) and never unpickles unless asked."""

@@ -16,7 +16,7 @@ Array offsets are relative to the data section, so a worker can ``readinto`` the
 (or scatter it with ``preadv``) straight into a shared-memory slot and the views line up.
 Reading is total: any bytes give a ``Header`` that is exactly what ``serialize`` writes (every
 type checked, arrays laid out in order, the tree's leaves numbered depth-first, bounds from
-``_limits`` checked before the JSON is parsed), or ``StorageCorruptError`` naming the file and never
+``_bounded`` checked before the JSON is parsed), or ``StorageCorruptError`` naming the file and never
 quoting it. Files are opened without following a symbolic link and without blocking, and must be
 regular files (a FIFO or a device is refused, not waited on). Workers validate here, before any
 slot is taken, so a refused file costs neither a slot nor a ring nor a worker.
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
+from .._untrusted import bounded as _bounded
 from ..errors import (
     PickleNotAllowedError,
     StorageCorruptError,
@@ -50,7 +51,6 @@ from ..errors import (
     UnsupportedLeafError,
     UntrustedStorageError,
 )
-from . import limits as _limits
 from .names import temp_name
 from .spec import check_tree, corrupt
 
@@ -74,7 +74,7 @@ MAGIC = b"TSLSTOR\x00"
 VERSION = 1
 ALIGN = 64
 FIXED = struct.Struct("<8sIIQQ")
-MAX_HEADER = _limits.HEADER_MAX_BYTES
+MAX_HEADER = _bounded.HEADER_MAX_BYTES
 MAX_DIMS = 64  # numpy's limit
 _FIRST_READ = 64 << 10
 _IOV_MAX = 512
@@ -221,12 +221,12 @@ def write(path: str | os.PathLike[str], spec: list[Any], leaves: Sequence[Leaf],
 
 
 def _check_writable(header: bytes) -> None:
-    """Refuse to write a header that readers would refuse (see ``_limits``): a file must load where it saves."""
-    values = 0 if len(header) <= _limits.HEADER_MAX_VALUES else _limits.measure(header, _limits.HEADER_MAX_VALUES)[1]
-    if len(header) > MAX_HEADER or values > _limits.HEADER_MAX_VALUES:
+    """Refuse to write a header that readers would refuse (see ``_bounded``): a file must load where it saves."""
+    values = 0 if len(header) <= _bounded.HEADER_MAX_VALUES else _bounded.measure(header, _bounded.HEADER_MAX_VALUES)[1]
+    if len(header) > MAX_HEADER or values > _bounded.HEADER_MAX_VALUES:
         raise UnsupportedLeafError(
             f"the sample's header (its tree and one entry per array) would take {len(header)} bytes and {values} "
-            f"JSON values, over what readers accept ({MAX_HEADER} bytes, {_limits.HEADER_MAX_VALUES} values: about "
+            f"JSON values, over what readers accept ({MAX_HEADER} bytes, {_bounded.HEADER_MAX_VALUES} values: about "
             "17,000 arrays); store fewer, larger arrays (stack small ones), and long text as bytes",
             key_path="<root>",
         )
@@ -332,11 +332,11 @@ def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) ->
 
 def _parse_new_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
     try:
-        doc = _limits.loads(
+        doc = _bounded.loads(
             text,
             max_bytes=MAX_HEADER,
-            max_depth=_limits.HEADER_MAX_DEPTH,
-            max_values=_limits.HEADER_MAX_VALUES,
+            max_depth=_bounded.HEADER_MAX_DEPTH,
+            max_values=_bounded.HEADER_MAX_VALUES,
             floats=False,
         )
     except ValueError as exc:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._untrusted import bounded as _bounded
 from ..errors import StorageCorruptError
-from . import limits as _limits
 
 __all__ = ["ARRAY", "MAPPINGS", "SCALARS", "SEQUENCES", "check_tree", "corrupt", "kind_name", "spec_key"]
 
@@ -52,7 +52,7 @@ _TREE_LEAF_KIND = {"tt": "torch", "tn": "numpy"}  # what a treetensor tree holds
 def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
     """Check a file's tree spec node by node, exactly as ``tree.encode`` writes it, or raise
     ``StorageCorruptError``: known tags with their arity and value types (``bool`` is not an
-    ``int``; inline ints below ``_limits.INLINE_INT_BOUND``), finite or infinite hexadecimal floats,
+    ``int``; inline ints below ``_bounded.INLINE_INT_BOUND``), finite or infinite hexadecimal floats,
     dict keys of one length with their children, treetensor trees holding only arrays of their kind
     and subtrees of their own, at most ``MAX_TREE_DEPTH`` containers deep, and array leaves numbered
     0, 1, 2... in depth-first order, each array used exactly once. What passes builds."""
@@ -76,8 +76,8 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
         if tree is not None and tag != tree:
             raise _bad_node(path, depth, "is neither an array nor a subtree, inside a treetensor tree")
         if tag in MAPPINGS or tag in SEQUENCES:
-            if depth >= _limits.MAX_TREE_DEPTH:
-                raise _bad_node(path, depth, f"is nested over {_limits.MAX_TREE_DEPTH} levels deep")
+            if depth >= _bounded.MAX_TREE_DEPTH:
+                raise _bad_node(path, depth, f"is nested over {_bounded.MAX_TREE_DEPTH} levels deep")
             if tag in SEQUENCES:
                 if len(node) != 2 or type(node[1]) is not list:
                     raise _bad_node(path, depth, "is not [tag, [children]]")
@@ -121,7 +121,7 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
 
 
 def _is_inline_int(v) -> bool:
-    return type(v) is int and -_limits.INLINE_INT_BOUND < v < _limits.INLINE_INT_BOUND
+    return type(v) is int and -_bounded.INLINE_INT_BOUND < v < _bounded.INLINE_INT_BOUND
 
 
 def _is_hex_float(v) -> bool:

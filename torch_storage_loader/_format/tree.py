@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._untrusted.bounded import INLINE_INT_BOUND, MAX_TREE_DEPTH
 from ..errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
 from .file import DEFAULT_READ, TORCH_ITEMSIZE, Header, ReadOptions
-from .limits import INLINE_INT_BOUND, MAX_TREE_DEPTH
 from .spec import spec_key
 
 _LITTLE = np.little_endian

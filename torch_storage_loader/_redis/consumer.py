@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._format import limits as _limits
+from .._untrusted import bounded as _bounded
 from ..errors import ProducerDiedError, UntrustedStorageError
 from ..storage import Storage
 from . import records as _records
@@ -194,14 +194,16 @@ class Consumer:
     def take(self, entries: list[Any]) -> int:
         """Decode ``entries`` into the buffer (handles, or the errors refusing them); how many there were."""
         o = self.options
-        self.buffer.extend(_records.decode(entries, o.stream, allow_pickle=o.allow_pickle, roots=o.trusted_roots))
+        self.buffer.extend(
+            _records.decode_entries(entries, o.stream, allow_pickle=o.allow_pickle, roots=o.trusted_roots)
+        )
         return len(entries)
 
     def _read(self) -> int:
         c, o = self.client, self.options
         reply = c.call(
             lambda _: c.script(
-                "read", self.keys.counted(), [c.epoch, o.group, self.name, o.prefetch, _limits.RECORD_MAX_BYTES]
+                "read", self.keys.counted(), [c.epoch, o.group, self.name, o.prefetch, _bounded.RECORD_MAX_BYTES]
             ),
             "read",
         )
@@ -232,7 +234,7 @@ class Consumer:
             lambda _: c.script(
                 "claim",
                 self.keys.counted(),
-                [c.epoch, o.group, self.name, min_idle, self._claim_cursor, 100, _limits.RECORD_MAX_BYTES],
+                [c.epoch, o.group, self.name, min_idle, self._claim_cursor, 100, _bounded.RECORD_MAX_BYTES],
             ),
             "claim",
         )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from .._format import trust as _trust
 from .._options import check_option
+from .._untrusted import trust as _trust
 from . import conn as _conn
 
 __all__ = ["IDLE_POLL_S", "MAX_OUTSTANDING", "POLL_S", "TRIM_EVERY_S", "Options"]

@@ -9,11 +9,11 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
-from .._format import limits as _limits
 from .._format.names import DIR_CLAIM as CLAIM
 from .._format.names import FAILED, LOADED, SUFFIX
 from .._proc import parse_pid
 from .._stores import objects as _objects
+from .._untrusted import bounded as _bounded
 from ..errors import StreamEndedError
 from ..storage import FileStorage, Storage
 from .claims import Claim, Owner, Scan, claim_loop
@@ -113,7 +113,7 @@ class DirectorySource:
             self._refused.clear()  # bounded: a name seen again then is counted again
         self._refused.add(name)
         self.refused += 1
-        _limits.log_refused(logger, "directory %s: ignoring %r: %s", self.path, name[:300], why)
+        _bounded.log_refused(logger, "directory %s: ignoring %r: %s", self.path, name[:300], why)
 
     def _names(self) -> list[str]:
         try:

@@ -15,11 +15,11 @@ import os
 import secrets
 from typing import Any, TypedDict, cast
 
-from .._format import limits as _limits
 from .._format.names import FAILED, LOADED, SUFFIX
 from .._format.names import OBJECT_CLAIM as CLAIM
 from .._proc import PID_MAX, parse_pid
 from .._stores import objects as _objects
+from .._untrusted import bounded as _bounded
 from ..errors import StorageNotFoundError
 from ..storage import ObjectStorage, Storage
 from .claims import Claim, Owner, Scan
@@ -46,11 +46,11 @@ def parse_claim_body(body: bytes) -> ClaimBody | None:
     """The owner a claim body names (``{"host", "family", "pid", "nonce"}``, each of its type and in
     range), or None: whoever wrote it may have written anything."""
     try:
-        owner = _limits.loads(
+        owner = _bounded.loads(
             body,
-            max_bytes=_limits.CLAIM_MAX_BYTES,
-            max_depth=_limits.CLAIM_MAX_DEPTH,
-            max_values=_limits.CLAIM_MAX_VALUES,
+            max_bytes=_bounded.CLAIM_MAX_BYTES,
+            max_depth=_bounded.CLAIM_MAX_DEPTH,
+            max_values=_bounded.CLAIM_MAX_VALUES,
             floats=False,
         )
     except ValueError:
@@ -164,11 +164,11 @@ class PrefixSource(DirectorySource, for_urls=True):
     def _owner(self, entry: _objects.Entry) -> ClaimBody | None:
         """The owner a claim names; None (counted, logged) for one that is too large or does not parse."""
         owner = None
-        if entry.size <= _limits.CLAIM_MAX_BYTES:  # never read a large one at all
-            owner = parse_claim_body(_objects.read_head(entry.url, _limits.CLAIM_MAX_BYTES + 1))
+        if entry.size <= _bounded.CLAIM_MAX_BYTES:  # never read a large one at all
+            owner = parse_claim_body(_objects.read_head(entry.url, _bounded.CLAIM_MAX_BYTES + 1))
         if owner is None:
             self.refused += 1
-            _limits.log_refused(
+            _bounded.log_refused(
                 logger,
                 "prefix %s: ignoring claim %s of %d bytes: it does not name its owner as {host, family, pid, nonce}",
                 self.path,

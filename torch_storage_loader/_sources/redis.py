@@ -7,9 +7,9 @@ import os
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from .._format import limits as _limits
-from .._format import trust as _trust
 from .._redis.keys import family as _family
+from .._untrusted import bounded as _bounded
+from .._untrusted import trust as _trust
 from ..errors import HandleRecordError, UntrustedStorageError
 from ..storage import Storage
 
@@ -87,7 +87,7 @@ class RedisSource:
                 if isinstance(exc, UntrustedStorageError) and not q.trusted_roots:
                     raise  # a misconfiguration, not an attack: get() left the entry in the stream
                 self.refused += 1  # acknowledged and counted by get(): never raised out of a DataLoader
-                _limits.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
+                _bounded.log_refused(logger, "Redis stream %s: %s", q.stream, exc)
                 continue
             if item is None:
                 return

@@ -62,7 +62,7 @@ _STRING = re.compile(rb'"[^"]*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
-def _measure_small(s) -> tuple[int, int]:
+def _measure_small(s: bytes | bytearray | memoryview) -> tuple[int, int]:
     """``measure`` for short texts without escapes: strings blanked out, then brackets counted."""
     s = _STRING.sub(b"0", s)
     values = s.count(b",") + s.count(b":") + s.count(b"[") + s.count(b"{") + 1
@@ -74,7 +74,7 @@ def _measure_small(s) -> tuple[int, int]:
     return top, values
 
 
-def measure(raw, max_values: int | None = None) -> tuple[int, int]:
+def measure(raw: bytes | bytearray | memoryview, max_values: int | None = None) -> tuple[int, int]:
     """(nesting depth, number of values) of JSON text (bytes or a memoryview), without parsing it.
 
     Exact for valid JSON. For invalid text it may overestimate, never underestimate, the part a
@@ -132,7 +132,7 @@ def _no_float(text: str) -> float:
     raise ValueError("a floating-point number where none belongs")
 
 
-def _pairs(pairs: list) -> dict:
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         raise ValueError("an object with a duplicate key")

@@ -16,10 +16,9 @@ the record.
 from __future__ import annotations
 
 import json
-import os
-import threading
 from typing import Any
 
+from .._proc import ForkSafeLock
 from ..errors import HandleRecordError, UnregisteredStorageTypeError
 from ..storage import FileStorage, ObjectStorage, Storage
 from . import limits as _limits
@@ -29,7 +28,7 @@ __all__ = ["decode", "encode", "register_storage_type", "registered_storage_type
 
 MAX_RECORD_BYTES = _limits.RECORD_MAX_BYTES  # a handle is a path and a few options; anything larger is not one
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _REGISTRY: dict[str, type[Storage]] = {"FileStorage": FileStorage, "ObjectStorage": ObjectStorage}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 # The exact fields of the built-in handles: name -> (allowed types, required).
@@ -43,14 +42,6 @@ _SCHEMAS: dict[type, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 MAX_VERSION_CHARS = 1024
-
-
-def _renew_lock_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_renew_lock_in_child)
 
 
 def _show(name: str) -> str:

@@ -31,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from .._proc import pid_alive
+from .._proc import after_fork_in_child, pid_alive
 from ..errors import ShmTransportError
 from .segments import ShmSegment
 
@@ -267,14 +267,12 @@ class _Registry:
 _registry = _Registry()
 
 
-def _after_fork_in_child() -> None:
+@after_fork_in_child
+def _new_registry_in_child() -> None:
     # Rings the parent mapped stay mapped where the child's inherited views need them, but the
     # child never receives references for them, and its releases are ignored (see refs._release).
     global _registry
     _registry = _Registry()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:

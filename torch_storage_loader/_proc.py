@@ -10,13 +10,12 @@ thread, so it would wait forever on a plain ``threading.Lock``. ``ForkSafeLock``
 child by one at-fork hook, and ``after_fork_in_child`` registers the hooks that do more (forget the
 parent's loaders, rings or CUDA registrations): ``os.register_at_fork`` is called here only.
 
-Watching a process is left in three ways on purpose, each the cheapest its caller can have:
-``pid_alive`` for pids read from claims and queues (any process on the host, checked now and then);
-the loader's ``WorkerPool`` selects on ``multiprocessing``'s own sentinel of each worker it started
-(it exists whatever the start method and platform, at no extra descriptor); the slot registry opens
-a pidfd (``os.pidfd_open``) for DataLoader workers, which torch starts, so it has only their pids,
-and does without when there is none. One helper for the last two would add a descriptor per loader
-worker, or take the registry's only way to watch torch's workers.
+Processes are watched three ways on purpose, each the cheapest its caller can have: ``pid_alive``
+for pids read from claims and queues (any process on the host, checked now and then); the loader's
+``WorkerPool`` selects on ``multiprocessing``'s sentinel of each worker it started (there whatever
+the start method or platform, at no extra descriptor); the slot registry, which has only the pids
+of torch's DataLoader workers, opens a pidfd for each where it can. One helper for the last two
+would add a descriptor per loader worker, or take the registry's only way to watch torch's.
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ import re
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
-
-_Hook = TypeVar("_Hook", bound=Callable[[], object])
 
 PID_MAX = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit Linux)
 _DIGITS = re.compile(r"[0-9]{1,7}")  # ASCII only: str.isdigit() also takes "²" and "٣"
@@ -77,18 +73,15 @@ def pipe_capacity(fd: int, want: int) -> int:
         return 65536  # POSIX guarantees less, but every system this runs on has at least this
 
 
-def after_fork_in_child(hook: _Hook) -> _Hook:
+def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:
     """Run ``hook`` in every child this process forks, before the child goes on (a decorator)."""
     os.register_at_fork(after_in_child=hook)
     return hook
 
 
 class ForkSafeLock:
-    """A ``threading.Lock`` for ``with`` blocks, free in a child forked while another thread held it.
-
-    The child gets a new inner lock (from the one at-fork hook below): what the lock guarded is the
-    child's copy, which the parent's holder left as it was at the fork.
-    """
+    """A ``threading.Lock`` for ``with`` blocks, free in a child forked while another thread held it
+    (the child gets a new inner lock; what it guards is as the parent's holder left it at the fork)."""
 
     __slots__ = ("__weakref__", "_lock")
 

@@ -22,7 +22,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._proc import pid_alive
+from ._proc import WakePipe, pid_alive
 from .errors import StorageError
 
 __all__ = ["Channel"]
@@ -43,14 +43,14 @@ class _Relay:
     def __init__(self, inbox: Connection, outbox: Connection) -> None:
         self.pipes = (inbox, outbox)  # the owner's ends: they close with the relay
         self.inbox, self.outbox = inbox.fileno(), outbox.fileno()
-        self.wake_r, self.wake_w = os.pipe()
+        self.wake = WakePipe()
         os.set_blocking(self.outbox, False)
         self.pending: deque[memoryview] = deque()
         self.thread = threading.Thread(target=self._run, name="tsl-queue", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        pending, inbox, outbox, wake = self.pending, self.inbox, self.outbox, self.wake_r
+        pending, inbox, outbox, wake = self.pending, self.inbox, self.outbox, self.wake.fileno()
         while True:
             readable, writable, _ = select.select([inbox, wake], [outbox] if pending else [], [])
             if wake in readable:
@@ -70,11 +70,10 @@ class _Relay:
                         break
 
     def stop(self) -> None:
-        os.write(self.wake_w, b"x")
+        self.wake.wake()
         if threading.current_thread() is not self.thread:
             self.thread.join(5)
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        self.wake.close()
         for pipe in self.pipes:
             pipe.close()
 

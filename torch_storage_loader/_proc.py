@@ -1,8 +1,21 @@
-"""Whether a process on this host is alive (a zombie, dead but not yet reaped, counts as dead),
-and the size of the pipes processes talk through.
+"""Process helpers, each written once: whether a process on this host is alive, the size of the
+pipes processes talk through, locks a forked child gets free, and the self-pipe that wakes a thread
+waiting in ``select``.
 
 Claims name their trainer's pid; whoever wrote the claim may have written anything, so pids are
 parsed here, ASCII digits only and within the kernel's range, before any ``os.kill`` sees them.
+
+Forks. A thread of the parent may hold a lock when another thread forks; the child has no such
+thread, so it would wait forever on a plain ``threading.Lock``. ``ForkSafeLock`` is renewed in the
+child by one at-fork hook, and ``after_fork_in_child`` registers the hooks that do more (forget the
+parent's loaders, rings or CUDA registrations): ``os.register_at_fork`` is called here only.
+
+Processes are watched three ways on purpose, each the cheapest its caller can have: ``pid_alive``
+for pids read from claims and queues (any process on the host, checked now and then); the loader's
+``WorkerPool`` selects on ``multiprocessing``'s sentinel of each worker it started (there whatever
+the start method or platform, at no extra descriptor); the slot registry, which has only the pids
+of torch's DataLoader workers, opens a pidfd for each where it can. One helper for the last two
+would add a descriptor per loader worker, or take the registry's only way to watch torch's.
 """
 
 from __future__ import annotations
@@ -10,6 +23,9 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import threading
+import weakref
+from collections.abc import Callable
 
 PID_MAX = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit Linux)
 _DIGITS = re.compile(r"[0-9]{1,7}")  # ASCII only: str.isdigit() also takes "²" and "٣"
@@ -55,3 +71,79 @@ def pipe_capacity(fd: int, want: int) -> int:
         return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
     except (AttributeError, OSError):
         return 65536  # POSIX guarantees less, but every system this runs on has at least this
+
+
+def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run ``hook`` in every child this process forks, before the child goes on (a decorator)."""
+    os.register_at_fork(after_in_child=hook)
+    return hook
+
+
+class ForkSafeLock:
+    """A ``threading.Lock`` for ``with`` blocks, free in a child forked while another thread held it
+    (the child gets a new inner lock; what it guards is as the parent's holder left it at the fork)."""
+
+    __slots__ = ("__weakref__", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _fork_safe_locks.add(self)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+_fork_safe_locks: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+
+
+@after_fork_in_child
+def _renew_locks_in_child() -> None:
+    for lock in list(_fork_safe_locks):
+        lock._lock = threading.Lock()
+
+
+class WakePipe:
+    """A self-pipe: ``wake()``, from any thread, makes ``fileno()`` readable until ``drain()``.
+
+    Both ends are non-blocking and close on exec (``os.pipe``'s default). A full pipe already holds
+    a wake-up, so ``wake`` then drops its bytes; after ``close`` it does nothing (under a lock, so it
+    never writes to a descriptor number reused since). What ``wake`` writes is the caller's: one
+    that says why it woke (the ledger's ``b"a"`` and ``b"x"``) reads it back from ``drain``.
+    """
+
+    __slots__ = ("_lock", "_r", "_w")
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._lock = ForkSafeLock()
+
+    def fileno(self) -> int:
+        """The read end, for ``select`` (-1 once closed)."""
+        return self._r
+
+    def wake(self, what: bytes = b"\0") -> None:
+        with self._lock:
+            if self._w >= 0:
+                try:
+                    os.write(self._w, what)
+                except BlockingIOError:
+                    pass  # full: the reader is awake anyway
+
+    def drain(self) -> bytes:
+        """The bytes woken with since the last drain (at most 4096; b"" if none)."""
+        try:
+            return os.read(self._r, 4096)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._r, self._w = (self._r, self._w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)

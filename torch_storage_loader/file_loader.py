@@ -16,6 +16,7 @@ from typing import Any
 
 from ._format.names import new_file_name  # re-exported: file_loader.new_file_name stays
 from ._options import check_option
+from ._proc import ForkSafeLock
 from ._stores import clean as _clean
 from ._stores import objects as _objects
 from .errors import StorageError
@@ -31,7 +32,7 @@ SHUTDOWN_S = 10.0  # at most this long for shutdown's own clean-up (joining the 
 
 # Every FileStorageLoader of this process: a directory scan spares what any of them tracks or loads.
 _loaders: weakref.WeakSet[FileStorageLoader] = weakref.WeakSet()
-_loaders_lock = threading.Lock()
+_loaders_lock = ForkSafeLock()
 
 
 def _file_key(path: str) -> str:
@@ -346,11 +347,3 @@ class FileStorageLoader(StorageLoader):
         """In a forked child: the parent's files are the parent's; never delete them from here."""
         super()._after_fork_in_child()
         self._forget_files()
-
-
-def _new_lock_in_child() -> None:
-    global _loaders_lock
-    _loaders_lock = threading.Lock()  # another thread of the parent may have held it
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)

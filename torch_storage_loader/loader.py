@@ -34,6 +34,7 @@ from typing import Any
 
 from ._ding_storage import foreign_storage
 from ._options import check_option
+from ._proc import after_fork_in_child
 from ._shm.alloc import FillInfo, check_slot_options
 from ._shm.filling import LocalFiller, is_plain_file
 from ._shm.segments import default_shm_budget, free_shm_bytes, shm_dir
@@ -174,13 +175,11 @@ def _shutdown_live_loaders() -> None:
             loader.shutdown(timeout=5)
 
 
+@after_fork_in_child
 def _forget_parent_loaders() -> None:
     for loader in list(_loaders):
         loader._forget_parent()
     _live.clear()
-
-
-os.register_at_fork(after_in_child=_forget_parent_loaders)
 
 
 def default_context() -> mp.context.BaseContext:

@@ -12,27 +12,18 @@ in shared memory that reaches the workers with the dataset, before it sends anyt
 from __future__ import annotations
 
 import collections
-import os
-import threading
 from typing import Any
 
 import torch
 
+from .._proc import ForkSafeLock
 from .._shm.filling import FillInfo, SlotFiller
 from . import hooks
 
 __all__ = ["STAT_KEYS", "WorkerCounts", "WorkerItem", "collate_items", "counts", "record"]
 
 _stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-_stats_lock = threading.Lock()
-
-
-def _renew_lock_in_child() -> None:
-    global _stats_lock
-    _stats_lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_renew_lock_in_child)
+_stats_lock = ForkSafeLock()
 
 
 def record(uid: str, info: FillInfo, skipped: int) -> None:

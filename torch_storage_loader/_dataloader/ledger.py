@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from .._proc import WakePipe
 from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
@@ -95,8 +96,7 @@ class Ledger:
         self._incarnation = 0
         self._closed = False
         self._lock = threading.Lock()
-        self._stop_r, self._stop_w = os.pipe()  # b"a": acknowledgements to send; b"x": stop
-        os.set_blocking(self._stop_w, False)  # a full pipe already holds a wake-up
+        self._wake = WakePipe()  # b"a": acknowledgements to send; b"x": stop
         self._acks: list[Any] = []  # delivered, to acknowledge from the thread (sources with slow acks)
         self._ack_behind = bool(source.ack_in_background)
         self._keep_every = source.keep_alive_every
@@ -141,8 +141,9 @@ class Ledger:
         timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
         with self._lock:
             live = [r for i, r in enumerate(self._readers) if i not in self._eof]
-        ready = mp_connection.wait([*live, self._stop_r], timeout)
-        if self._stop_r in ready and b"x" in os.read(self._stop_r, 4096):
+        wake = self._wake.fileno()
+        ready = mp_connection.wait([*live, wake], timeout)
+        if wake in ready and b"x" in self._wake.drain():
             return True
         with self._lock:
             if self._closed:
@@ -268,10 +269,9 @@ class Ledger:
             if self._closed:
                 return
             self._closed = True
-        _wake(self._stop_w, b"x")  # or, if the pipe is full, the thread finds _closed set
+        self._wake.wake(b"x")  # or, if the pipe is full, the thread finds _closed set
         self._thread.join()
-        os.close(self._stop_r)
-        os.close(self._stop_w)
+        self._wake.close()
         try:
             if self._feeder is not None:
                 self._feeder.close()
@@ -304,18 +304,11 @@ class Ledger:
         if ack and self._ack_behind and not now:
             with self._lock:
                 self._acks.extend(ack)
-            _wake(self._stop_w, b"a")  # off the trainer's thread: a round trip per item is too dear
+            self._wake.wake(b"a")  # off the trainer's thread: a round trip per item is too dear
         elif ack:
             self.source.ack(ack)
         if back:
             self.source.give_back(back)
-
-
-def _wake(fd: int, what: bytes) -> None:
-    try:
-        os.write(fd, what)
-    except BlockingIOError:
-        pass
 
 
 class LedgerWriter:

@@ -18,10 +18,9 @@ the record; ``decode_entries`` returns it in the entry's place (the consumer ack
 from __future__ import annotations
 
 import json
-import os
-import threading
 from typing import Any
 
+from .._proc import ForkSafeLock
 from .._untrusted import bounded as _bounded
 from .._untrusted import trust as _trust
 from ..errors import HandleRecordError, StorageError
@@ -31,7 +30,7 @@ from .keys import FIELD, REFUSED, decode_id
 __all__ = ["decode", "decode_entries", "encode", "register_storage_type", "registered_storage_types"]
 
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _REGISTRY: dict[str, type[Storage]] = {"FileStorage": FileStorage, "ObjectStorage": ObjectStorage}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 # The exact fields of the built-in handles: name -> (allowed types, required).
@@ -45,14 +44,6 @@ _SCHEMAS: dict[type, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 MAX_VERSION_CHARS = 1024
-
-
-def _renew_lock_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_renew_lock_in_child)
 
 
 def _show(name: str) -> str:

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .._proc import after_fork_in_child
 from ..errors import PinRefused, SlotPinningWarning
 
 __all__ = ["Accelerator", "Event", "accelerator", "defer", "pin", "pinned_bytes", "unpin", "use"]
@@ -304,10 +305,8 @@ class ReleaseQueue:
 _state = _State()
 
 
-def _after_fork_in_child() -> None:
+@after_fork_in_child
+def _start_clean_in_child() -> None:
     # Registrations and pending events belong to the parent's CUDA context; a child starts clean.
     global _state
     _state = _State()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -31,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from .._proc import pid_alive
+from .._proc import WakePipe, after_fork_in_child, pid_alive
 from ..errors import ShmTransportError
 from .segments import ShmSegment
 
@@ -203,7 +203,7 @@ class _Registry:
         self.lock = threading.RLock()  # lease finalizers may run inside a locked section (GC)
         self.rings: dict[str, _MappedRing] = {}
         self.watched: dict[int, int] = {}  # owner pid -> pidfd
-        self.wake: tuple[int, int] | None = None
+        self.wake: WakePipe | None = None
         self.reaper: threading.Thread | None = None
 
     def forget(self, ring: _MappedRing) -> None:
@@ -230,16 +230,16 @@ class _Registry:
         except (AttributeError, OSError):
             return  # no pidfd here: rings are forgotten when retired, or when the worker's loader stops
         self.watched[pid] = pidfd
-        if self.reaper is None:
-            self.wake = os.pipe()
-            self.reaper = threading.Thread(target=self._reap, args=(self.wake,), name="tsl-ring-reaper", daemon=True)
-            self.reaper.start()
-        else:
-            os.write(self.wake[1], b"\0")
+        if self.wake is not None:  # the reaper runs: it registers the new pidfd
+            self.wake.wake()
+            return
+        self.wake = WakePipe()
+        self.reaper = threading.Thread(target=self._reap, args=(self.wake,), name="tsl-ring-reaper", daemon=True)
+        self.reaper.start()
 
-    def _reap(self, wake: tuple[int, int]) -> None:
+    def _reap(self, wake: WakePipe) -> None:
         with selectors.DefaultSelector() as sel:
-            sel.register(wake[0], selectors.EVENT_READ, None)
+            sel.register(wake.fileno(), selectors.EVENT_READ, None)
             registered: dict[int, int] = {}
             while True:
                 with self.lock:
@@ -252,7 +252,7 @@ class _Registry:
                         break
                 for key, _ in sel.select():
                     if key.data is None:
-                        os.read(wake[0], 4096)
+                        wake.drain()
                         continue
                     pid = key.data
                     sel.unregister(key.fd)
@@ -260,21 +260,18 @@ class _Registry:
                         del registered[pid]
                         os.close(self.watched.pop(pid))
                         self.forget_owner(pid)
-        for fd in wake:
-            os.close(fd)
+        wake.close()
 
 
 _registry = _Registry()
 
 
-def _after_fork_in_child() -> None:
+@after_fork_in_child
+def _new_registry_in_child() -> None:
     # Rings the parent mapped stay mapped where the child's inherited views need them, but the
     # child never receives references for them, and its releases are ignored (see refs._release).
     global _registry
     _registry = _Registry()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:

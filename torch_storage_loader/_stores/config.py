@@ -7,11 +7,10 @@ own defaults apply (they read the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDP
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any, NamedTuple
 
 from .._optional import require
+from .._proc import ForkSafeLock
 
 __all__ = [
     "Config",
@@ -36,16 +35,8 @@ class Config(NamedTuple):
         return f"Config(storage_options=<{len(self.storage_options)} options>, retry_timeout={self.retry_timeout})"
 
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _config: dict[str, Config] = {}  # "proto://bucket", "proto" or "*" -> Config
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def protocol(url: str) -> str:

@@ -13,9 +13,10 @@ import datetime
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from .._proc import ForkSafeLock, after_fork_in_child
 
 __all__ = ["get_ranges", "store", "use_obstore_here"]
 
@@ -44,7 +45,7 @@ _S3_IGNORED = {
     "use_ssl",
 }
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _stores: dict[tuple, Any] = {}  # (pid, "proto://bucket", options) -> obstore store
 
 # obstore's runtime does not survive fork: a forked child of a process that used it hangs in it.
@@ -61,14 +62,11 @@ def use_obstore_here() -> None:
     _obstore_allowed = not _obstore_poisoned
 
 
-def _after_fork_in_child() -> None:
-    global _obstore_allowed, _obstore_poisoned, _lock
+@after_fork_in_child
+def _no_obstore_in_child() -> None:
+    global _obstore_allowed, _obstore_poisoned
     # Imported by the parent (by this library in a worker, or by the user): its runtime may be running.
     _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used or "obstore" in sys.modules
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def store(root: str, opts: dict) -> Any:

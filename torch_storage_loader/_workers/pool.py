@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .._proc import WakePipe
 from .._shm.slots import retire_rings
 from .._stores import objects as _objects
 from ..errors import unpack_exception
@@ -115,14 +116,13 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self._starting = None  # the parent end of a pipe whose worker is being started
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._wake_lock = threading.Lock()  # wake() may race stop(): never write to a reused fd number
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wake = WakePipe()
+        self._selector.register(self._wake.fileno(), selectors.EVENT_READ, None)
+        self._launched_lock = threading.Lock()
         self._stopped = False
         self._startup_failures = 0
         self._launcher: threading.Thread | None = None  # starts the first workers (see start)
-        self._launched: list[tuple[int, Any, Any]] = []  # started by it, not yet adopted; under _wake_lock
+        self._launched: list[tuple[int, Any, Any]] = []  # started by it, not yet adopted; under _launched_lock
         self._launch_error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -152,7 +152,7 @@ class WorkerPool:
                 if self._stopped:
                     return
                 launched = self._launch(i)
-                with self._wake_lock:
+                with self._launched_lock:
                     self._launched.append(launched)
                 self.wake()
         except BaseException as exc:  # noqa: BLE001 -- reported on the receiving thread by wait()
@@ -180,7 +180,7 @@ class WorkerPool:
         return index, proc, parent
 
     def _adopt_launched(self) -> None:
-        with self._wake_lock:
+        with self._launched_lock:
             launched, self._launched = self._launched, []
         for index, proc, parent in launched:
             self._adopt(index, proc, parent)
@@ -215,10 +215,7 @@ class WorkerPool:
         for w in workers:
             self._bury(w, timeout)
         self._selector.close()
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
+        self._wake.close()
 
     def forget(self) -> None:
         """In a forked child: drop the parent's workers without touching them."""
@@ -230,9 +227,7 @@ class WorkerPool:
             mp.process._children.discard(proc)
             parent.close()
         self._launched = []
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
-        self._wake_w = -1
+        self._wake.close()
         if self._starting is not None:
             self._starting.close()
         self.workers = []
@@ -253,13 +248,7 @@ class WorkerPool:
             pass  # the worker is dead: wait() reports it, with this request
 
     def wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return  # stopped
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # full: the thread is awake anyway
+        self._wake.wake()  # a no-op once stopped
 
     # ------------------------------------------------------------------------------ receiving
     def wait(self, timeout: float | None = None) -> list[Loaded | Failed | WorkerLost]:
@@ -271,10 +260,7 @@ class WorkerPool:
         events: list = []
         for key, _ in self._selector.select(timeout):
             if key.data is None:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+                self._wake.drain()
                 continue
             worker, is_conn = key.data
             if worker not in self.workers:

@@ -37,11 +37,10 @@ from .._format.tree import (
     _treetensor_types,
 )
 from . import pinning as _pinning
-from .segments import too_large
 
 logger = logging.getLogger("torch_storage_loader")
 
-__all__ = ["DeviceItem", "arrive", "deliver", "normalize", "to_device", "too_large"]
+__all__ = ["DeviceItem", "arrive", "deliver", "normalize", "to_device"]
 
 
 class DeviceItem:
@@ -84,23 +83,21 @@ def normalize(device: Any) -> str | None:
     )
 
 
-def deliver(plan: Plan, host: np.ndarray, path: str, device: str, release: Callable[[Any], None]) -> DeviceItem:
+def deliver(plan: Plan, host: np.ndarray, path: str, device: str, release: Callable[[], None]) -> DeviceItem:
     """Issue the copy of ``host`` (a sample's 1-D uint8 data section) to ``device`` and build the
-    sample there; ``release(event)`` is called once, with the event after which ``host`` is no
-    longer read (None: at once, nothing was issued)."""
-    acc = _pinning.accelerator()
+    sample there; ``release()`` is called once ``host`` is no longer read (after the copy's event)."""
     stage = None
     try:
-        with acc.stage(device) as stage:
+        with _pinning.accelerator().stage(device) as stage:
             sample = _build(plan, host, path, stage)
+        return DeviceItem(sample, stage.owned, stage.event, stage.device)
     except Exception as exc:  # noqa: BLE001 - raised on the trainer's thread, by DeviceItem.finish
-        release(stage.event if stage is not None else None)
         return DeviceItem(None, [], None, device, error=exc)
-    except BaseException:
-        release(stage.event if stage is not None else None)
-        raise
-    release(stage.event)
-    return DeviceItem(sample, stage.owned, stage.event, stage.device)
+    finally:
+        if stage is None or stage.event is None:
+            release()  # nothing was issued
+        else:
+            _pinning.defer(release, stage.event)
 
 
 # Per plan: how to make each leaf from the device buffer, and whether inline values need moving.

@@ -37,7 +37,7 @@ from bench_dataset import large, write_files  # the 7.2 MB trajectories, as stor
 from torch.utils.data import DataLoader, Dataset
 
 from torch_storage_loader import StorageDataset
-from torch_storage_loader._shm import pinning as _pinning
+from torch_storage_loader._gpu import pinning as _pinning
 from torch_storage_loader._shm.segments import ShmSegment, shm_dir
 
 CUDA = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def h2d(args) -> None:
     seg = ShmSegment(256 << 20)
     ring = np.frombuffer(seg.mm, np.uint8)
     address = ring.ctypes.data
-    from torch_storage_loader._shm.cudart import host_register, host_unregister
+    from torch_storage_loader._gpu.cudart import host_register, host_unregister
 
     t = time.perf_counter()
     code, name = host_register(address, seg.size)

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from torch_storage_loader._shm.device import too_large
+from torch_storage_loader._gpu.cuda import too_large
 from torch_storage_loader.errors import PinRefused
 
 

@@ -24,7 +24,8 @@ from torch_storage_loader import (
     StorageDataset,
     StorageQueue,
 )
-from torch_storage_loader._shm import pinning as _pinning
+from torch_storage_loader._gpu import pinning as _pinning
+from torch_storage_loader._shm import slots as _slots
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,8 +91,6 @@ def rings_report() -> str:
     """What keeps rings mapped in this process (for a failure message)."""
     import weakref
 
-    from torch_storage_loader._shm import slots as _slots
-
     reg = _slots._registry
     lines = [
         f"registered={_pinning._state.registered} pending releases={_pinning._state.releases.pending()} "
@@ -125,7 +124,7 @@ def test_a_slot_is_not_refilled_while_the_gpu_may_still_copy_it(tmp_path, monkey
     slot: the GPU must still see the old bytes. The control run turns the deferral off and
     expects the new bytes, which shows the test can see the hazard it guards against."""
     if not deferred:
-        monkeypatch.setattr(_pinning, "defer", lambda callback, event=None: callback())
+        monkeypatch.setattr(_slots, "gpu", _slots.gpu._replace(defer=lambda callback, event=None: callback()))
     a, b = save(tmp_path, 1, n=1024), save(tmp_path, 2, n=1024)
     with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1, max_rings_per_worker=1) as loader:
         loader.start()  # through the workers: a fresh loader reads its first files itself

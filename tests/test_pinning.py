@@ -25,7 +25,7 @@ from torch_storage_loader import (
     StorageDataset,
     StorageQueue,
 )
-from torch_storage_loader._shm import pinning as _pinning
+from torch_storage_loader._gpu import pinning as _pinning
 
 # Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
 # workers are forked here on purpose, and pytest.warns would re-raise that warning.

@@ -30,8 +30,8 @@ from ._dataloader import hooks
 from ._dataloader.epochs import EpochCounters
 from ._dataloader.items import WorkerCounts, WorkerItem, collate_items, counts, record
 from ._dataloader.ledger import LedgerRef, LedgerWriter
+from ._gpu import device as _device
 from ._options import check_option, take
-from ._shm import device as _device
 from ._shm.alloc import check_slot_options
 from ._shm.filling import FillInfo, LocalFiller, SlotFiller
 from ._shm.segments import default_shm_budget

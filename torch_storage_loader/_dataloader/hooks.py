@@ -252,7 +252,7 @@ def _open(loader: Any) -> Ledger | None:
 def _receive_ahead(loader: Any, device: Any) -> Any:
     """Around the creation of an iterator for ``device=``: its results are received (and their copies
     issued) on the DataLoader's pin-memory thread, ahead of the trainer, where the accelerator has one."""
-    from .._shm import pinning as _pinning
+    from .._gpu import pinning as _pinning
 
     if device is None or not getattr(_pinning.accelerator(), "pin_thread", False):
         return contextlib.nullcontext()
@@ -308,7 +308,7 @@ def _delivering(cls: type) -> type:
         out = process(self, data, worker_idx, *args, **kwargs)
         device = getattr(self, "_tsl_device", None)
         if device is not None:
-            from .._shm.device import arrive
+            from .._gpu.device import arrive
 
             out = arrive(out, device)  # the trainer's stream waits for the copy issued ahead
         return out

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import SampleMismatchError
 from .file import BYTE_KINDS, ArrayEntry, Header, align
-from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, kind_name
+from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, TAGS, VALUES
 
 __all__ = ["file_iovecs", "plan"]
 
@@ -54,10 +54,10 @@ def _merge(specs: list[list[Any]], path: _Path, names: list[str]) -> list[Any]:
     first = specs[0]
     tag = first[0]
     if tag in SCALARS and all(s[0] in SCALARS for s in specs):
-        return ["v", specs]
+        return [VALUES, specs]
     for j, s in enumerate(specs[1:], 1):
         if s[0] != tag:
-            raise _mismatch(path, names[0], names[j], f"a {kind_name(first)}", f"a {kind_name(s)}")
+            raise _mismatch(path, names[0], names[j], f"a {TAGS[tag].name}", f"a {TAGS[s[0]].name}")
     if tag == ARRAY:
         return first
     if tag in MAPPINGS:

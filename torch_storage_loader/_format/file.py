@@ -113,7 +113,7 @@ class ReadOptions(NamedTuple):
 
     allow_pickle: bool = False  # unpickle "pickle" leaves (runs code from the file)
     as_tensors: bool = False  # numeric numpy leaves become torch tensors (no copy), as DataLoader does
-    device: str | None = None  # the receiver copies the sample there (``_device``), e.g. "cuda"
+    device: str | None = None  # the receiver copies the sample there (``_gpu.device``), e.g. "cuda"
 
 
 DEFAULT_READ = ReadOptions()

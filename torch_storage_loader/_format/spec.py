@@ -1,38 +1,91 @@
-"""The grammar of a sample's tree spec, as a file's header stores it, in one place.
+"""The grammar of a sample's tree spec, as a file's header stores it: one table of its tags
+(``TAGS``), which ``tree`` writes and builds samples by, ``batch`` merges specs by, and ``check_tree``
+validates what a file says by.
 
 A spec node is a JSON list whose first item is its tag: ``["a", i]`` array leaf ``i``; mappings
-``["d" | "od" | "tt" | "tn", [keys], [children]]`` (dict, OrderedDict, treetensor torch / numpy
-tree; a key is a string or ``["int", n]``); sequences ``["l" | "t", [children]]`` (list, tuple);
-inline scalars ``["n"]``, ``["b", bool]``, ``["i", int]``, ``["s", str]``, ``["f", hex]``,
-``["c", hex, hex]``; and, in a stacked batch only, ``["v", [scalar, ...]]`` (one per sample).
-``tree`` writes and builds specs, ``batch`` merges them, ``check_tree`` validates what a file says.
+``[tag, [keys], [children]]`` (dict, OrderedDict, treetensor torch / numpy tree; a key is a string
+or ``["int", n]``); sequences ``[tag, [children]]`` (list, tuple); inline scalars ``[tag, *fields]``
+(None, bool, int, str, and float and complex in hex); and, in a stacked batch only,
+``["v", [scalar, ...]]`` (one per sample).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import collections
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from .._untrusted import bounded as _bounded
 from ..errors import StorageCorruptError
 
-__all__ = ["ARRAY", "MAPPINGS", "SCALARS", "SEQUENCES", "check_tree", "corrupt", "kind_name", "spec_key"]
+__all__ = ["ARRAY", "MAPPINGS", "SCALARS", "SEQUENCES", "TAGS", "TREES", "VALUES", "check_tree", "corrupt", "spec_key"]
 
-ARRAY = "a"
-MAPPINGS = ("d", "od", "tt", "tn")
-SEQUENCES = ("l", "t")
-SCALARS = ("n", "b", "i", "f", "c", "s")
-_KIND_NAMES = {"a": "array", "d": "dict", "od": "dict", "l": "list", "t": "tuple", "tt": "tree", "tn": "tree"}
+
+class Tag(NamedTuple):
+    """What the nodes of one tag hold; for a scalar, how its value is written, read back and checked."""
+
+    family: str  # array, mapping, sequence, scalar, or values (a stacked batch's inline scalars)
+    name: str  # what the node holds, in words (errors)
+    type: Any = None  # the Python type written as this tag and built from it; a treetensor tree: its arrays' kind
+    size: int = 2  # a scalar node's length
+    write: Callable[[Any], list] | None = None  # a scalar: its value -> the node's fields after the tag
+    read: Callable[[list], Any] | None = None  # a scalar: its node -> its value
+    valid: Callable[[list], bool] | None = None  # a scalar: whether a node of its size holds a value of its type
+
+
+def _is_inline_int(v: Any) -> bool:
+    return type(v) is int and -_bounded.INLINE_INT_BOUND < v < _bounded.INLINE_INT_BOUND
+
+
+def _is_hex_float(v: Any) -> bool:
+    if type(v) is not str or len(v) > 32:
+        return False
+    try:
+        float.fromhex(v)
+    except (ValueError, OverflowError):
+        return False
+    return True
+
+
+def _scalar(type_: type, write: Callable, read: Callable, valid: Callable, size: int = 2) -> Tag:
+    return Tag("scalar", "scalar", type_, size, write, read, valid)
+
+
+_field = operator.itemgetter(1)
+TAGS: dict[str, Tag] = {
+    "a": Tag("array", "array"),
+    "d": Tag("mapping", "dict", dict),
+    "od": Tag("mapping", "dict", collections.OrderedDict),
+    "tt": Tag("mapping", "tree", "torch"),
+    "tn": Tag("mapping", "tree", "numpy"),
+    "l": Tag("sequence", "list", list),
+    "t": Tag("sequence", "tuple", tuple),
+    "n": _scalar(type(None), lambda x: [], lambda node: None, lambda node: True, 1),
+    "b": _scalar(bool, lambda x: [x], _field, lambda node: type(node[1]) is bool),
+    "i": _scalar(int, lambda x: [x], _field, lambda node: _is_inline_int(node[1])),
+    "s": _scalar(str, lambda x: [x], _field, lambda node: type(node[1]) is str),
+    "f": _scalar(float, lambda x: [x.hex()], lambda node: float.fromhex(node[1]), lambda node: _is_hex_float(node[1])),
+    "c": _scalar(
+        complex,
+        lambda x: [x.real.hex(), x.imag.hex()],
+        lambda node: complex(float.fromhex(node[1]), float.fromhex(node[2])),
+        lambda node: _is_hex_float(node[1]) and _is_hex_float(node[2]),
+        3,
+    ),
+    "v": Tag("values", "scalars"),
+}
+# The table by family, for the walks (membership in a short tuple is what they test per node).
+ARRAY, VALUES = "a", "v"
+MAPPINGS = tuple(tag for tag, t in TAGS.items() if t.family == "mapping")
+SEQUENCES = tuple(tag for tag, t in TAGS.items() if t.family == "sequence")
+SCALARS = tuple(tag for tag, t in TAGS.items() if t.family == "scalar")
+TREES = {tag: TAGS[tag].type for tag in MAPPINGS if type(TAGS[tag].type) is str}  # -> the kind of their arrays
 
 
 def spec_key(k: Any) -> Any:
     """A mapping's key as the spec stores it (a str, or ``["int", n]``) back to the key."""
     return k[1] if type(k) is list else k
-
-
-def kind_name(node: list[Any]) -> str:
-    """What a spec node holds, in words, for an error message."""
-    return _KIND_NAMES.get(node[0], "scalar")
 
 
 def corrupt(path: str, why: str) -> StorageCorruptError:
@@ -42,11 +95,6 @@ def corrupt(path: str, why: str) -> StorageCorruptError:
         "since): delete it, or save the sample again",
         path=path,
     )
-
-
-_NODE_LEN = {"n": 1, "b": 2, "i": 2, "s": 2, "f": 2, "c": 3, "a": 2, "l": 2, "t": 2}
-
-_TREE_LEAF_KIND = {"tt": "torch", "tn": "numpy"}  # what a treetensor tree holds: arrays of its kind, subtrees
 
 
 def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
@@ -67,7 +115,7 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
         if tag == ARRAY:
             if len(node) != 2 or type(node[1]) is not int or node[1] != leaves:
                 raise _bad_node(path, depth, f"is not array leaf {leaves} (leaves are numbered in depth-first order)")
-            if tree is not None and arrays[leaves].kind != _TREE_LEAF_KIND[tree]:
+            if tree is not None and arrays[leaves].kind != TREES[tree]:
                 raise _bad_node(path, depth, "is an array of another kind than its treetensor tree holds")
             leaves += 1
             continue
@@ -90,48 +138,26 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
                     or len(node[1]) != len(node[2])
                 ):
                     raise _bad_node(path, depth, "is not [tag, [keys], [children]] with one child per key")
-                keyed_by_int = tag == "d" or tag == "od"
+                keyed_by_int = tag not in TREES  # a treetensor tree's keys are attribute names
                 for k in node[1]:
                     if type(k) is not str and not (
                         keyed_by_int and type(k) is list and len(k) == 2 and k[0] == "int" and _is_inline_int(k[1])
                     ):
                         raise _bad_node(path, depth, "has a key that is neither a string nor an int")
                 children = node[2]
-            inner = tag if tag in _TREE_LEAF_KIND else None
+            inner = tag if tag in TREES else None
             for child in reversed(children):
                 push((child, depth + 1, inner))
             continue
-        if _NODE_LEN.get(tag) != len(node):
+        scalar = TAGS.get(tag)
+        if scalar is None or scalar.family != "scalar" or scalar.size != len(node):
             raise _bad_node(path, depth, "has an unknown tag, or the wrong number of fields for its tag")
-        if tag == "n":
-            continue
-        value = node[1]
-        if tag == "f" or tag == "c":
-            for v in node[1:]:
-                if not _is_hex_float(v):
-                    raise _bad_node(path, depth, "holds a float that is not a finite or infinite double in hex")
-        elif (
-            (tag == "b" and type(value) is not bool)
-            or (tag == "i" and not _is_inline_int(value))
-            or (tag == "s" and type(value) is not str)
-        ):
-            raise _bad_node(path, depth, "holds a value of the wrong type for its tag")
+        if not scalar.valid(node):
+            raise _bad_node(
+                path, depth, f"holds no {scalar.type.__name__} as its tag says (ints under 10**30, floats in hex)"
+            )
     if leaves != len(arrays):
         raise corrupt(path, f"its tree uses {leaves} arrays but its header lists {len(arrays)}")
-
-
-def _is_inline_int(v) -> bool:
-    return type(v) is int and -_bounded.INLINE_INT_BOUND < v < _bounded.INLINE_INT_BOUND
-
-
-def _is_hex_float(v) -> bool:
-    if type(v) is not str or len(v) > 32:
-        return False
-    try:
-        float.fromhex(v)
-    except (ValueError, OverflowError):
-        return False
-    return True
 
 
 def _bad_node(path: str, depth: int, why: str) -> StorageCorruptError:

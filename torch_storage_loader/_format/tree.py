@@ -3,9 +3,11 @@
 The spec must be stored in a file that is read without unpickling, so it is plain JSON (lists,
 strings, numbers) rather than a pytree library's opaque spec object (its grammar: ``spec``).
 
-Size: about 510 lines (380 of code), because encoding and building are one mapping read in both
-directions (each container and leaf kind has its writer and its builder side by side): split into
-an encoder and a builder, each kind's two halves would sit in two files that must change together.
+Size: about 670 lines (500 of code), because encoding and building are one mapping read in both
+directions (each container and leaf kind has its writer and its builder side by side; the tags
+themselves are ``spec.TAGS``): split into an encoder and a builder, each kind's two halves would sit
+in two files that must change together. Building on a device (``Plan.build_on``) is one more
+reading of the same leaves.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import collections
 import functools
 import pickle
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +26,22 @@ import torch
 from .._untrusted.bounded import INLINE_INT_BOUND, MAX_TREE_DEPTH
 from ..errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
 from .file import DEFAULT_READ, TORCH_ITEMSIZE, Header, ReadOptions
-from .spec import spec_key
+from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, TAGS, TREES, VALUES, spec_key
 
 _LITTLE = np.little_endian
 
-__all__ = ["Leaf", "Plan", "build", "encode", "format_path", "plan_for", "plan_key", "split", "to_tensors"]
+__all__ = [
+    "Leaf",
+    "Plan",
+    "build",
+    "encode",
+    "format_path",
+    "map_tensors",
+    "plan_for",
+    "plan_key",
+    "split",
+    "to_tensors",
+]
 
 # numpy dtype kinds stored as raw bytes: bool, ints, floats, complex, timedelta, datetime, str, bytes.
 _NUMPY_KINDS = frozenset("biufcmMUS")
@@ -55,7 +69,8 @@ def format_path(path: tuple) -> str:
 
 
 @functools.cache
-def _treetensor_types() -> dict[type, str]:
+def _treetensor_types() -> dict[str, type]:
+    """The treetensor tree type of each array kind (``spec.TREES``), imported on first use."""
     # treetensor warns at import about numpy/torch internals it uses; that is not the user's to fix.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -63,7 +78,7 @@ def _treetensor_types() -> dict[type, str]:
         import treetensor.numpy as tnp
         import treetensor.torch as ttorch
 
-    return {ttorch.Tensor: "tt", tnp.ndarray: "tn"}
+    return {"torch": ttorch.Tensor, "numpy": tnp.ndarray}
 
 
 def _numpy_leaf(arr: np.ndarray, kind: str, path: tuple) -> Leaf:
@@ -108,9 +123,6 @@ def _torch_leaf(t: torch.Tensor, path: tuple) -> Leaf:
     return Leaf("torch", name, tuple(t.shape), _bool_bytes(data, t.dtype == torch.bool))
 
 
-_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple)
-
-
 def _keys(mapping, path: tuple) -> list:
     keys = []
     for k in mapping:
@@ -127,57 +139,60 @@ def _keys(mapping, path: tuple) -> list:
     return keys
 
 
+@functools.cache
+def _tag_of() -> dict[type, str]:
+    """The tag a value of each of these exact types is written as (``spec.TAGS``, and treetensor's trees)."""
+    types = _treetensor_types()
+    tags = {t.type: tag for tag, t in TAGS.items() if isinstance(t.type, type)}
+    return {**tags, **{types[kind]: tag for tag, kind in TREES.items()}}
+
+
+_WRITE = {tag: TAGS[tag].write for tag in SCALARS}
+
+
 class _Encoder:
     # A class rather than nested recursive closures: those form reference cycles that would keep
     # every array alive until the cyclic garbage collector runs.
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
-        self.tree_types = _treetensor_types()
+        self.tags = _tag_of()
 
     def add(self, leaf: Leaf) -> list:
         self.leaves.append(leaf)
-        return ["a", len(self.leaves) - 1]
+        return [ARRAY, len(self.leaves) - 1]
 
     def walk(self, x: Any, path: tuple) -> list:
         tx = type(x)
-        if len(path) >= MAX_TREE_DEPTH and (tx in _CONTAINER_TYPES or tx in self.tree_types):
-            raise UnsupportedLeafError(
-                f"the sample nests containers over {MAX_TREE_DEPTH} levels deep at {format_path(path[:3])}...; "
-                "readers refuse deeper trees (is it a cycle?): flatten it, or store the inner part as bytes",
-                key_path=format_path(path),
-            )
-        if tx is dict or tx is collections.OrderedDict:
-            return ["d" if tx is dict else "od", _keys(x, path), [self.walk(v, path + (k,)) for k, v in x.items()]]
-        if tx is list or tx is tuple:
-            return ["l" if tx is list else "t", [self.walk(v, path + (i,)) for i, v in enumerate(x)]]
-        if tx in self.tree_types:
-            items = list(x.items())
-            return [self.tree_types[tx], [k for k, _ in items], [self.walk(v, path + (k,)) for k, v in items]]
+        tag = self.tags.get(tx)
+        if tag is not None:
+            write = _WRITE.get(tag)
+            if write is not None:  # an inline scalar
+                if tx is int and not -INLINE_INT_BOUND < x < INLINE_INT_BOUND:
+                    raise UnsupportedLeafError(
+                        f"int at {format_path(path)} is over 10**30 in magnitude, more than readers accept inline; "
+                        "store it as a str (or pass allow_pickle=True)",
+                        key_path=format_path(path),
+                    )
+                return [tag, *write(x)]
+            if len(path) >= MAX_TREE_DEPTH:
+                raise UnsupportedLeafError(
+                    f"the sample nests containers over {MAX_TREE_DEPTH} levels deep at {format_path(path[:3])}...; "
+                    "readers refuse deeper trees (is it a cycle?): flatten it, or store the inner part as bytes",
+                    key_path=format_path(path),
+                )
+            if tag in SEQUENCES:
+                return [tag, [self.walk(v, path + (i,)) for i, v in enumerate(x)]]
+            if tag in TREES:
+                items = list(x.items())
+                return [tag, [k for k, _ in items], [self.walk(v, path + (k,)) for k, v in items]]
+            return [tag, _keys(x, path), [self.walk(v, path + (k,)) for k, v in x.items()]]
         if tx is np.ndarray:
             return self.add(_numpy_leaf(x, "numpy", path))
         if tx is torch.Tensor or tx is torch.nn.Parameter:
             return self.add(_torch_leaf(x, path))
         if isinstance(x, np.generic) and not isinstance(x, np.object_):
             return self.add(_numpy_leaf(np.asarray(x), "numpy_scalar", path))
-        if x is None:
-            return ["n"]
-        if tx is bool:
-            return ["b", x]
-        if tx is int:
-            if not -INLINE_INT_BOUND < x < INLINE_INT_BOUND:
-                raise UnsupportedLeafError(
-                    f"int at {format_path(path)} is over 10**30 in magnitude, more than readers accept inline; "
-                    "store it as a str (or pass allow_pickle=True)",
-                    key_path=format_path(path),
-                )
-            return ["i", x]
-        if tx is float:
-            return ["f", x.hex()]
-        if tx is complex:
-            return ["c", x.real.hex(), x.imag.hex()]
-        if tx is str:
-            return ["s", x]
         if tx is bytes or tx is bytearray:
             return self.add(Leaf("bytes" if tx is bytes else "bytearray", "|u1", (len(x),), np.frombuffer(x, np.uint8)))
         if self.allow_pickle:
@@ -233,6 +248,7 @@ _TORCH_AS_NUMPY = {
 # Leaf recipes (codes) and tree node codes of a Plan.
 _L_TENSOR, _L_ARRAY, _L_TORCH, _L_TORCH_EMPTY, _L_SCALAR, _L_BYTES, _L_BYTEARRAY, _L_PICKLE = range(8)
 _N_DICT, _N_DICT_OF_LEAVES, _N_LIST, _N_TUPLE, _N_CONST, _N_VALUES, _N_ODICT, _N_TREE, _N_SLOT = range(9)
+_N_CODE = {dict: _N_DICT, collections.OrderedDict: _N_ODICT, list: _N_LIST, tuple: _N_TUPLE}  # by ``Tag.type``
 
 
 class Plan:
@@ -242,7 +258,7 @@ class Plan:
     for decoding the header's spec once; ``build`` then makes one view per leaf and the tree.
     """
 
-    __slots__ = ("base", "built", "consts", "error", "header", "leaves", "opts", "tree", "values")
+    __slots__ = ("base", "built", "consts", "device", "error", "header", "leaves", "opts", "stacked", "tree", "values")
 
     def __init__(self, header: Header, opts: ReadOptions = DEFAULT_READ) -> None:
         self.header, self.opts = header, opts
@@ -252,7 +268,9 @@ class Plan:
         self.built = False  # whether check() built a sample of this plan (its structure holds)
         self.values: list[tuple] = []  # (start, end, dtype) of leaves whose bytes may be no value
         self.consts: tuple = ()  # the inline scalars of ``split`` (their spec nodes), for ``bind``
-        self.base: Plan | None = None  # the plan this one binds values to (which keeps ``built``)
+        self.base: Plan | None = None  # the plan this one binds values to (which keeps the rest)
+        self.stacked = False  # whether the tree has a stacked batch's inline values (``VALUES``)
+        self.device: list[tuple] | None = None  # ``build_on``'s leaves, made on its first call
         try:
             self.leaves = [self._leaf(i, *entry) for i, entry in enumerate(header.arrays)]
             self.tree = self._node(header.spec)
@@ -285,42 +303,36 @@ class Plan:
 
     def _node(self, node: list) -> Any:
         tag = node[0]
-        if tag == "a":
+        if tag == ARRAY:
             i = node[1]
             if type(i) is not int or not 0 <= i < len(self.leaves):
                 raise IndexError("array leaf out of range")
             return i  # a leaf: an index into the sample's leaves
-        if tag == "d" or tag == "od":
-            keys = tuple(spec_key(k) for k in node[1])
-            children = tuple(self._node(v) for v in node[2])
-            n = min(len(keys), len(children))
-            keys, children = keys[:n], children[:n]
-            if tag == "d" and all(type(c) is int for c in children):
-                return _N_DICT_OF_LEAVES, keys, children
-            return (_N_DICT if tag == "d" else _N_ODICT), keys, children
-        if tag == "l" or tag == "t":
-            return (_N_LIST if tag == "l" else _N_TUPLE), tuple(self._node(v) for v in node[1])
-        if tag == "n":
-            return _N_CONST, None
-        if tag == "x":  # an inline scalar ``split`` took out: the sample's own, given to ``bind``
+        if tag == _SLOT:  # an inline scalar ``split`` took out: the sample's own, given to ``bind``
             i = node[1]
             if type(i) is not int or i < 0:
                 raise IndexError("inline value out of range")
             return _N_SLOT, i
-        if tag in ("b", "i", "s"):
-            return _N_CONST, node[1]
-        if tag == "f":
-            return _N_CONST, float.fromhex(node[1])
-        if tag == "c":
-            return _N_CONST, complex(float.fromhex(node[1]), float.fromhex(node[2]))
-        if tag == "v":  # one inline scalar per sample of a stacked batch
+        if tag == VALUES:  # one inline scalar per sample of a stacked batch
+            self.stacked = True
             return _N_VALUES, tuple(self._node(v) for v in node[1])
-        if tag in ("tt", "tn"):
-            children = tuple(self._node(v) for v in node[2])
-            want = "tt" if self.opts.as_tensors and self._all_tensors(children) else tag
-            tree_type = next(t for t, name in _treetensor_types().items() if name == want)
-            return _N_TREE, tree_type, tuple(node[1]), children
-        raise ValueError("unknown tree node tag")
+        kind = TAGS.get(tag) if type(tag) is str else None
+        if kind is None:
+            raise ValueError("unknown tree node tag")
+        if tag in SCALARS:
+            return _N_CONST, kind.read(node)
+        if tag in SEQUENCES:
+            return _N_CODE[kind.type], tuple(self._node(v) for v in node[1])
+        children = tuple(self._node(v) for v in node[2])
+        if tag in TREES:
+            want = "torch" if self.opts.as_tensors and self._all_tensors(children) else kind.type
+            return _N_TREE, _treetensor_types()[want], tuple(node[1]), children
+        keys = tuple(spec_key(k) for k in node[1])
+        n = min(len(keys), len(children))
+        keys, children = keys[:n], children[:n]
+        if kind.type is dict and all(type(c) is int for c in children):
+            return _N_DICT_OF_LEAVES, keys, children
+        return _N_CODE[kind.type], keys, children
 
     def _all_tensors(self, children: tuple) -> bool:
         """Whether a tree's leaves all become tensors (a numpy tree of strings stays a numpy tree)."""
@@ -354,7 +366,7 @@ class Plan:
         if not consts:
             return self
         bound = Plan.__new__(Plan)
-        for name in Plan.__slots__:
+        for name in ("error", "header", "leaves", "opts", "tree", "values"):  # the rest is read from the base
             setattr(bound, name, getattr(self, name))
         bound.consts, bound.base = consts, self
         return bound
@@ -388,33 +400,51 @@ class Plan:
                 elif code == _L_PICKLE and probe:
                     add(None)
                 else:
-                    add(self._other_leaf(u8, code, start, end, a, shape, path))
+                    add(_other_leaf(self.opts, u8, code, start, end, a, shape, path))
             return self.assemble(leaves)
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
             raise _damaged(path, type(exc).__name__) from None
 
-    def _other_leaf(self, u8: np.ndarray, code: int, start: int, end: int, a: Any, shape: tuple, path: str) -> Any:
-        raw = u8[start:end]
-        if code == _L_TORCH:
-            return torch.from_numpy(raw).view(a).reshape(shape)
-        if code == _L_TORCH_EMPTY:
-            return torch.empty(shape, dtype=a)
-        if code == _L_SCALAR:
-            value = raw.view(a).reshape(())[()]
-            return _numpy_to_tensor(np.asarray(value)) if self.opts.as_tensors else value
-        if code == _L_BYTES:
-            return raw.tobytes()
-        if code == _L_BYTEARRAY:
-            return bytearray(raw)
-        if not self.opts.allow_pickle:
-            raise PickleNotAllowedError(
-                f"{path}: holds a pickled value (leaf {a}); loading it would run code from the file. "
-                "Pass allow_pickle=True only if you trust whoever wrote it",
-                path=path,
-            )
-        return pickle.loads(raw.data)
+    def build_on(self, host: np.ndarray, path: str, copy: Callable[..., Any], move: Callable[..., Any]) -> Any:
+        """The sample with its tensors on a device: ``copy(host, path)`` puts the data section
+        ``host`` there in one copy (a 1-D uint8 tensor), and the tensor leaves are views of it; the
+        other leaves are read from ``host`` now (arrays copied: ``host`` goes back once the copy is
+        done), and tensors made on the host (a stacked batch's inline values) go over by ``move``."""
+        if self.error is not None:
+            raise _damaged(path, self.error)
+        base = self.base or self
+        if base.device is None:  # the leaves that become tensors, as torch views (``_L_TORCH``) of the copy
+            as_tensor = (_L_TENSOR, _L_SCALAR) if self.opts.as_tensors else (_L_TENSOR,)
+            base.device = [
+                (_L_TORCH, s, e, torch.from_numpy(np.empty(0, a)).dtype, shape)
+                if code in as_tensor and a.kind in "biufc" and a.isnative
+                else (code, s, e, a, shape)
+                for code, s, e, a, shape in base.leaves
+            ]
+        dev = copy(host, path)
+        leaves: list[Any] = []
+        add = leaves.append
+        try:
+            for code, start, end, a, shape in base.device:
+                if code == _L_TORCH:
+                    add(dev[start:end].view(a).view(shape))
+                elif code == _L_TORCH_EMPTY:
+                    add(torch.empty(shape, dtype=a, device=dev.device))
+                elif code == _L_ARRAY:
+                    add(host[start:end].view(a).reshape(shape).copy())
+                else:
+                    add(_other_leaf(self.opts, host, code, start, end, a, shape, path))
+            sample = self.assemble(leaves)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a sample or our error, whatever the bytes
+            raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+        if base.stacked:
+            storage = dev.untyped_storage().data_ptr()
+            return map_tensors(sample, lambda t: t if t.untyped_storage().data_ptr() == storage else move(t))
+        return sample
 
     def assemble(self, leaves: list) -> Any:
         """The sample's tree around its built ``leaves`` (with this plan's inline values)."""
@@ -423,7 +453,8 @@ class Plan:
             return leaves[tree]
         if tree[0] == _N_DICT_OF_LEAVES:
             return {k: leaves[i] for k, i in zip(tree[1], tree[2])}
-        return self._walk(tree, leaves, [_const(v) for v in self.consts])
+        read = _READ
+        return self._walk(tree, leaves, [read[v[0]](v) for v in self.consts])
 
     def _walk(self, node: Any, leaves: list, consts: list) -> Any:
         if type(node) is int:
@@ -459,6 +490,31 @@ class Plan:
         return node[1]({k: self._walk(v, leaves, consts) for k, v in zip(node[2], node[3])})
 
 
+def _other_leaf(
+    opts: ReadOptions, u8: np.ndarray, code: int, start: int, end: int, a: Any, shape: tuple, path: str
+) -> Any:
+    """A leaf that is not a view of the bytes (those ``Plan.build`` makes itself)."""
+    raw = u8[start:end]
+    if code == _L_TORCH:
+        return torch.from_numpy(raw).view(a).reshape(shape)
+    if code == _L_TORCH_EMPTY:
+        return torch.empty(shape, dtype=a)
+    if code == _L_SCALAR:
+        value = raw.view(a).reshape(())[()]
+        return _numpy_to_tensor(np.asarray(value)) if opts.as_tensors else value
+    if code == _L_BYTES:
+        return raw.tobytes()
+    if code == _L_BYTEARRAY:
+        return bytearray(raw)
+    if not opts.allow_pickle:
+        raise PickleNotAllowedError(
+            f"{path}: holds a pickled value (leaf {a}); loading it would run code from the file. "
+            "Pass allow_pickle=True only if you trust whoever wrote it",
+            path=path,
+        )
+    return pickle.loads(raw.data)
+
+
 def _bad_values(path: str, why: str) -> StorageCorruptError:
     return StorageCorruptError(
         f"{path}: its data section is not the values its header declares ({why}); delete the file or "
@@ -473,7 +529,9 @@ def _damaged(path: str, why: str) -> StorageCorruptError:
     )
 
 
-_INLINE = ("b", "i", "s", "f", "c")  # the scalar tags ``split`` takes out (None is structure)
+_SLOT = "x"  # ``split``'s stand-in for an inline scalar: ``["x", i]``
+_INLINE = tuple(tag for tag in SCALARS if TAGS[tag].type is not type(None))  # what ``split`` takes out
+_READ = {tag: TAGS[tag].read for tag in SCALARS}  # an inline scalar's node -> its value
 
 
 def split(spec: list) -> tuple[list, tuple]:
@@ -489,27 +547,15 @@ def split(spec: list) -> tuple[list, tuple]:
         tag = node[0]
         if tag in _INLINE:
             values.append(node)
-            return ["x", len(values) - 1]
-        if tag in ("d", "od", "tt", "tn"):
+            return [_SLOT, len(values) - 1]
+        if tag in MAPPINGS:
             return [tag, node[1], [walk(c) for c in node[2]]]
-        if tag in ("l", "t", "v"):
+        if tag in SEQUENCES or tag == VALUES:
             return [tag, [walk(c) for c in node[1]]]
         return node  # an array leaf, None, or a tag the plan reports as damaged
 
     skeleton = walk(spec)
     return skeleton, tuple(values)
-
-
-def _const(node: list) -> Any:
-    """The value of an inline scalar's spec node (``split``)."""
-    tag = node[0]
-    if tag == "f":
-        return float.fromhex(node[1])
-    if tag == "c":
-        return complex(float.fromhex(node[1]), float.fromhex(node[2]))
-    if tag in ("b", "i", "s"):
-        return node[1]
-    raise ValueError("unknown inline value tag")
 
 
 _plans: dict[bytes, Plan] = {}
@@ -598,10 +644,25 @@ class _ToTensors:
             return _numpy_to_tensor(x)
         if isinstance(x, np.generic):
             return _numpy_to_tensor(np.asarray(x))
-        if self.tree_types.get(tx) == "tn":
-            ttorch_type = next(t for t, name in self.tree_types.items() if name == "tt")
-            return ttorch_type({k: self.walk(v) for k, v in x.items()})
+        if tx is self.tree_types["numpy"]:
+            return self.tree_types["torch"]({k: self.walk(v) for k, v in x.items()})
         return x
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``x`` with each tensor ``t`` in its containers (those a sample is made of) replaced by ``fn(t)``."""
+    tx = type(x)
+    if tx is torch.Tensor or isinstance(x, torch.Tensor):
+        return fn(x)
+    if tx is dict or tx is collections.OrderedDict:
+        return tx((k, map_tensors(v, fn)) for k, v in x.items())
+    if tx is list:
+        return [map_tensors(v, fn) for v in x]
+    if tx is tuple:
+        return tuple(map_tensors(v, fn) for v in x)
+    if tx in _treetensor_types().values():
+        return tx({k: map_tensors(v, fn) for k, v in x.items()})
+    return x
 
 
 def to_tensors(obj: Any) -> Any:

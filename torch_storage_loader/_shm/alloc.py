@@ -27,6 +27,7 @@ from typing import Any
 from .._format.file import Header, ReadOptions
 from .._options import check_option
 from ..errors import SampleTooLargeError
+from . import slots as _slots
 from .refs import BytesRef, OneOffRef, SlotRef, plan_key
 from .segments import ENV_DIR, ShmSegment, _human, default_shm_budget, shm_dir
 from .slots import CTRL, SlotRing, page_round
@@ -327,20 +328,13 @@ class _PrivateLease(Lease):
         from .._format.tree import Plan, build
 
         self.view.release()
-        if self.opts.device is not None:  # a _device.DeviceItem; the buffer lives until the copy is done
+        if self.opts.device is not None:  # a _gpu.device.DeviceItem; the buffer lives until the copy is done
             import numpy as np
-
-            from . import pinning as _pinning
-            from .device import deliver
 
             buf = self.buf
             host = np.frombuffer(buf, np.uint8) if len(buf) else np.empty(0, np.uint8)
-            return deliver(
-                Plan(header, self.opts),
-                host,
-                self.path,
-                self.opts.device,
-                lambda event: _pinning.defer(functools.partial(_keep, buf), event) if event else None,
+            return _slots.gpu.deliver(
+                Plan(header, self.opts), host, self.path, self.opts.device, functools.partial(_keep, buf)
             )
         return build(header, self.buf, self.opts, path=self.path)
 

@@ -4,7 +4,7 @@ A worker sends a ``SlotRef`` (ring id, slot, generation, the plan key of its hea
 in the receiver maps the ring (``slots``) once and returns the sample as views onto the slot, leased
 until every view is gone (then ``_release`` frees the slot in the ring's control block). A sample
 no slot could take travels as a ``OneOffRef`` (a segment of its own) or, small, as ``BytesRef``.
-References whose options name a ``device`` are received as samples on that device (``device``).
+References whose options name a ``device`` are received as samples on that device (``slots.gpu``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 
 from .._format.file import Header, ReadOptions
 from ..errors import ShmTransportError
+from . import slots as _slots
 from .segments import ShmSegment
 from .slots import _RECEIVED, _STATES, CTRL, _MappedRing, _registry
 
@@ -47,13 +48,11 @@ def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
     """A lease's finalizer: free the slot, unless this is a forked child dropping inherited views.
 
     A pinned ring's slot may still be read by a copy queued on the GPU: it is freed once the GPU
-    is past what the current stream has queued (``_pinning.defer``)."""
+    is past what the current stream has queued (``gpu.defer``)."""
     if os.getpid() != pid:
         return
     if ring.pin:
-        from . import pinning as _pinning
-
-        _pinning.defer(functools.partial(_free, ring, slot, generation))
+        _slots.gpu.defer(functools.partial(_free, ring, slot, generation))
     else:
         _free(ring, slot, generation)
 
@@ -70,22 +69,6 @@ def _free(ring: _MappedRing, slot: int, generation: int) -> None:
                 ring.close()
             elif ring.finished():
                 reg.forget(ring)
-
-
-def _free_after(ring: _MappedRing, slot: int, generation: int, event: Any) -> None:
-    """``_device.deliver``'s release: free the slot once ``event`` (after the copy) completed."""
-    if event is None:
-        _free(ring, slot, generation)
-    else:
-        from . import pinning as _pinning
-
-        _pinning.defer(functools.partial(_free, ring, slot, generation), event)
-
-
-def _pin(ring: _MappedRing) -> bool | None:
-    from . import pinning as _pinning
-
-    return _pinning.pin(ring)
 
 
 @dataclass
@@ -157,7 +140,7 @@ def _receive_slot(
                 reg.watch(pid)
         ring.words[_RECEIVED] += 1
         if ring.pin is None:
-            ring.pin = _pin(ring)
+            ring.pin = _slots.gpu.pin(ring)
         start = CTRL + slot * ring.slot_size
         if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
             ring.leases += 1
@@ -177,9 +160,7 @@ def _receive_slot(
             ring.leases += 1
             weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
     if device is not None:
-        from .device import deliver
-
-        return deliver(plan, host, path, device, functools.partial(_free_after, ring, slot, generation))
+        return _slots.gpu.deliver(plan, host, path, device, functools.partial(_free, ring, slot, generation))
     return plan.build(buf, path)
 
 
@@ -201,13 +182,11 @@ def _receive_bytes(key: bytes, consts: tuple, data: bytearray, path: str) -> Any
 
     plan = plan_for(key).bind(consts)
     if plan.opts.device is not None:
-        from .device import deliver
-
-        return deliver(plan, np.frombuffer(data, np.uint8), path, plan.opts.device, _nothing_to_free)
+        return _slots.gpu.deliver(plan, np.frombuffer(data, np.uint8), path, plan.opts.device, _nothing_to_free)
     return plan.build(np.frombuffer(data, np.uint8), path)
 
 
-def _nothing_to_free(event: Any) -> None:
+def _nothing_to_free() -> None:
     return None
 
 
@@ -236,15 +215,8 @@ def _receive_oneoff(key: bytes, consts: tuple, segment: ShmSegment, path: str, c
     plan = plan_for(key).bind(consts)
     size = plan.header.data_size
     if plan.opts.device is not None:
-        from .device import deliver
-
-        return deliver(
-            plan,
-            np.frombuffer(segment.mm, np.uint8, size),
-            path,
-            plan.opts.device,
-            functools.partial(_close_after, segment),
-        )
+        host = np.frombuffer(segment.mm, np.uint8, size)
+        return _slots.gpu.deliver(plan, host, path, plan.opts.device, segment.close)
     if copy:
         buf = _private(size)
         np.copyto(buf, np.frombuffer(segment.mm, np.uint8, size))
@@ -252,13 +224,3 @@ def _receive_oneoff(key: bytes, consts: tuple, segment: ShmSegment, path: str, c
     else:
         buf = np.frombuffer(segment.mm, np.uint8, size)  # its leaves keep the mapping alive
     return plan.build(buf, path)
-
-
-def _close_after(segment: ShmSegment, event: Any) -> None:
-    """Unmap a one-off segment once the copy reading it is done."""
-    if event is None:
-        segment.close()
-    else:
-        from . import pinning as _pinning
-
-        _pinning.defer(segment.close, event)

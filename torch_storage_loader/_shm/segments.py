@@ -17,11 +17,10 @@ import os
 import tempfile
 import weakref
 from multiprocessing import reduction
-from typing import Any
 
-from ..errors import InsufficientSharedMemoryError, SampleTooLargeForDeviceError
+from ..errors import InsufficientSharedMemoryError
 
-__all__ = ["ShmSegment", "default_shm_budget", "shm_dir", "too_large"]
+__all__ = ["ShmSegment", "default_shm_budget", "shm_dir"]
 
 ENV_DIR = "TORCH_STORAGE_LOADER_SHM_DIR"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -144,14 +143,3 @@ def _rebuild(dupfd, size: int) -> ShmSegment:
     seg = ShmSegment(size, fd=dupfd.detach())
     seg.release_fd()  # a receiver never re-sends; the mapping is all it needs
     return seg
-
-
-def too_large(path: str, nbytes: int, device: Any, free: int, total: int) -> SampleTooLargeForDeviceError:
-    return SampleTooLargeForDeviceError(
-        f"{path}: the sample needs {_human(nbytes)} on {device}, which has {_human(free)} free of {_human(total)}: "
-        "lower batch_size, free memory on the device, or pass device=None and move what fits yourself",
-        path=path,
-        needed=nbytes,
-        free=free,
-        device=str(device),
-    )

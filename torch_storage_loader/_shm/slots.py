@@ -15,10 +15,11 @@ sample pins its own slot only: the free slots of a retired ring are given back t
 Receivers also forget the rings of a worker process that has exited (``watch=True`` references:
 DataLoader workers, which nobody else supervises).
 
-In a receiver that uses CUDA, each ring is page-locked in place once (``_pinning``), so that its
-slots cross to the GPU at link speed, and unregistered before it is unmapped; a slot of a pinned
-ring goes back to its worker only once the GPU is past the work queued before its release.
-References whose options name a ``device`` are received as samples on that device (``_device``).
+In a receiver that uses CUDA, each ring is page-locked in place once, so that its slots cross to
+the GPU at link speed, and unregistered before it is unmapped; a slot of a pinned ring goes back to
+its worker only once the GPU is past the work queued before its release. References whose options
+name a ``device`` are received as samples on that device. That is the GPU path (``_gpu``), which
+lies above this package: receiving reaches it through ``gpu``, which it sets when imported.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import os
 import selectors
 import threading
 import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,7 +38,7 @@ from .._proc import WakePipe, after_fork_in_child, pid_alive
 from ..errors import ShmTransportError
 from .segments import ShmSegment
 
-__all__ = ["CTRL", "MAX_SLOTS", "SlotRing", "page_round", "retire_rings"]
+__all__ = ["CTRL", "MAX_SLOTS", "GpuPath", "SlotRing", "gpu", "page_round", "retire_rings"]
 
 PAGE = mmap.PAGESIZE  # 4 KiB on x86-64; 16 or 64 KiB on many arm64 kernels (Grace Hopper among them)
 _CTRL_WORDS = 512  # identity and lifetime words, then one int64 state word per slot
@@ -45,6 +48,24 @@ MAX_SLOTS = _CTRL_WORDS - _STATES
 # and page-locking act on pages.
 CTRL = max(PAGE, -(-_CTRL_WORDS * 8 // PAGE) * PAGE)
 _REMOVE = getattr(mmap, "MADV_REMOVE", None)
+
+
+class GpuPath(NamedTuple):
+    """What receiving needs of the GPU path (``_gpu`` sets ``gpu`` when imported; dataset.py and
+    loader.py import it, so every process that receives samples has it)."""
+
+    pin: Callable[[Any], bool | None]  # a ring just mapped: True page-locked, False never, None ask later
+    unpin: Callable[[Any], None]  # a pinned ring, before it is unmapped
+    defer: Callable[..., None]  # (callback, event=None): run callback once event (None: one recorded now) completed
+    deliver: Callable[..., Any]  # (plan, host, path, device, release): the sample on device, release() once read
+
+
+def _no_device(*args: Any) -> Any:
+    raise RuntimeError("a sample for device= arrived before torch_storage_loader._gpu was imported")
+
+
+# Until then: nothing is pinned (each receive asks again), so nothing is deferred or delivered.
+gpu = GpuPath(lambda ring: None, lambda ring: None, lambda callback, event=None: callback(), _no_device)
 
 
 def page_round(n: int) -> int:
@@ -184,10 +205,8 @@ class _MappedRing:
     def close(self) -> None:
         """Unregister, then unmap (no lease is left: nothing views the mapping)."""
         if self.pin:
-            from . import pinning as _pinning
-
             self.pin = False
-            _pinning.unpin(self)
+            gpu.unpin(self)
         self.words.release()
         try:
             self.mm.close()

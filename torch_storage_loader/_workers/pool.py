@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _gpu  # noqa: F401 - replies are received through the GPU path, which importing it installs
 from .._proc import WakePipe
 from .._shm.slots import retire_rings
 from .._stores import objects as _objects

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._proc import after_fork_in_child
+from .._shm.segments import _human
 from ..errors import PinRefused, SlotPinningWarning
 
 __all__ = ["Accelerator", "Event", "accelerator", "defer", "pin", "pinned_bytes", "unpin", "use"]
@@ -220,14 +221,6 @@ def _warn(message: str) -> None:
         # Warnings are errors here, and this may run in the DataLoader's pin thread, where raising
         # would stop the loader: say it loudly instead, and carry on unpinned.
         logger.error("%s", message)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --------------------------------------------------------------------------- deferred release

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PinRefused
+from .._shm.segments import _human
+from ..errors import PinRefused, SampleTooLargeForDeviceError
 from . import cudart as _cudart
-from .segments import too_large
 
-__all__ = ["CopyStage", "CudaAccelerator"]
+__all__ = ["CopyStage", "CudaAccelerator", "too_large"]
 
 
 class CudaAccelerator:
@@ -124,3 +124,15 @@ class CopyStage:
         out = t.to(self.device, non_blocking=True)
         self.owned.append(out)
         return out
+
+
+def too_large(path: str, nbytes: int, device: Any, free: int, total: int) -> SampleTooLargeForDeviceError:
+    """The error of a sample that does not fit on ``device`` (an accelerator's ``CopyStage.copy`` raises it)."""
+    return SampleTooLargeForDeviceError(
+        f"{path}: the sample needs {_human(nbytes)} on {device}, which has {_human(free)} free of {_human(total)}: "
+        "lower batch_size, free memory on the device, or pass device=None and move what fits yourself",
+        path=path,
+        needed=nbytes,
+        free=free,
+        device=str(device),
+    )

@@ -10,8 +10,8 @@ import inspect
 import pytest
 
 from torch_storage_loader import FileStorage, FileStorageLoader, RedisStorageQueue, StorageDataset, StorageQueue
+from torch_storage_loader._dataloader.items import DatasetOptions
 from torch_storage_loader._redis.options import Options
-from torch_storage_loader.dataset import DatasetOptions
 
 HANDLES = [FileStorage("x.tsl")]
 REDIS = ("redis://127.0.0.1:1/0", "s")  # never reached: the options are checked first

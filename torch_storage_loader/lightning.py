@@ -16,10 +16,11 @@ import torch
 
 from ._dataloader import hooks
 from ._dataloader.consumed import ConsumedStateLoader
+from ._dataloader.items import DatasetOptions
 from ._optional import require
 from ._options import check_option, take
 from ._shm.slots import retire_rings
-from .dataset import DatasetOptions, StorageDataset
+from .dataset import StorageDataset
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -193,8 +193,7 @@ class Feeder:
             for i, data in enumerate(got):
                 if len(data) > HANDLE_MAX:
                     self.source.fail([data])
-                    if got[i + 1 :]:
-                        self.source.give_back(got[i + 1 :])
+                    self.source.give_back(got[i + 1 :])  # taken with it: taken again after a restart
                     why = (
                         f"a handle of {len(data)} bytes pickled ({_type_name(data)}) is too large to feed a "
                         f"DataLoader worker (at most {HANDLE_MAX}): a handle names where a sample is; "

@@ -212,6 +212,18 @@ def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
     assert sorted(got) == list(range(6))
 
 
+def test_requests_larger_than_a_feed_pipe_arrive_whole(tmp_path):
+    """A worker may ask for more than its feed's pipe holds (here 32 handles of 40 KB, through 64 KiB):
+    the trainer writes what the pipe takes and the rest as the worker reads, never waiting on it, and
+    the stop still reaches workers whose feed is full: stopping early loses nothing."""
+    q = StorageQueue()
+    for i in range(96):
+        q.put(_helpers.MemoryStorage({"info": {"id": i}, "x": np.full(5000, i)}))
+    q.close()
+    got = _stop_early_then_drain(DataLoader(StorageDataset(q), batch_size=16, num_workers=2, timeout=60), 3, 2)
+    assert sorted(got) == list(range(96)), "a handle was lost or delivered twice"
+
+
 def test_a_handle_that_does_not_unpickle_in_a_worker_fails_alone(tmp_path):
     """The trainer passes a queue's handles on pickled: one that a worker cannot unpickle is that
     handle's error, under on_error, and the handles after it in the same burst still arrive."""

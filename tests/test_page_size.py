@@ -1,9 +1,9 @@
-"""The page size comes from the system: rings and feed pipes are laid out by it, not by 4096.
+"""The page size comes from the system: rings are laid out by it, not by 4096.
 
 Many arm64 kernels (NVIDIA Grace Hopper among them) use 64 KiB pages. The test runs a process whose
 ``mmap.PAGESIZE`` says 64 KiB before the library is imported (the kernel's own pages, 4 KiB here,
 divide it, so every call still works) and checks that every slot starts on such a page and that a
-DataLoader still delivers through those rings and feeds.
+DataLoader still delivers through those rings and its feeds (which count no pages).
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from torch_storage_loader import FileStorageLoader, StorageDataset, StorageQueue
-from torch_storage_loader._dataloader import feed
 from torch_storage_loader._shm import slots
 
 if __name__ == "__main__":
     assert slots.CTRL % mmap.PAGESIZE == 0, slots.CTRL
-    assert feed.PAGE == mmap.PAGESIZE
     ring = slots.SlotRing(3, 100_000, purpose="page-size test")
     try:
         assert ring.slot_size % mmap.PAGESIZE == 0

@@ -61,16 +61,12 @@ def trainer_alive(family: str, pid: int) -> bool:
     return pid_alive(trainer if trainer is not None else pid)
 
 
-def pipe_capacity(fd: int, want: int) -> int:
-    """The size of the pipe ``fd``, raised to ``want`` bytes where the system lets us."""
+def raise_pipe(fd: int, want: int) -> None:
+    """Raise the pipe ``fd`` to ``want`` bytes where the system lets us (else it keeps its size)."""
     try:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, want)
     except (AttributeError, OSError):
-        pass  # not Linux, or over /proc/sys/fs/pipe-max-size: the pipe keeps its size
-    try:
-        return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
-    except (AttributeError, OSError):
-        return 65536  # POSIX guarantees less, but every system this runs on has at least this
+        pass  # not Linux, over /proc/sys/fs/pipe-max-size, or this user's pipes use up its share
 
 
 def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:

@@ -12,6 +12,17 @@ another, with the stream open). It reads its pipe (``FeedReader``) and reports w
 ledger, one message per item. Whatever was given and not reported is still
 known to the trainer, and goes back when the iterator stops.
 
+Those requests are the one flow control: a worker is sent only what it asked for, in the order
+workers asked, and asks again only once it has read it all. The pipe adds none: the trainer's end
+is non-blocking, and what a pipe cannot take at once waits, in order, in the feeder's buffer for
+that feed (bounded by the worker's request) until the pipe drains; the thread writes it again every
+``FLUSH_S`` while some waits (a worker reading half a message has nothing to report yet). So no
+write blocks the thread, whether a worker is dead or no longer reads; the messages that end a
+stream always fit, after what is there (the stop is still written after ``stop()``, until
+``close()``); and nothing models the kernel's pipe pages. (Counting pages, as the feeder once did,
+was a second flow control kept in step with the first; bounding requests by what a pipe holds would
+have capped a handle near a page, or a request well below two items' worth.)
+
 A feed carries ``("fed", [pickled handle, ...])`` (a pickled handle is its own token), ``("end",
 incarnation)`` (the source ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
 incarnation)`` (taking failed, or a handle was refused: the worker raises it, and the trainer
@@ -23,15 +34,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
+import os
 import pickletools
 import queue as _queue
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._proc import pid_alive, pipe_capacity
+from .._proc import pid_alive, raise_pipe
 from ..errors import StorageError
 from ..storage import Storage
 
@@ -41,44 +53,32 @@ FED, END, ERROR, STOP = "fed", "end", "error", "stop"
 TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
 PIPE_MAX = 1 << 20  # the most a feed's pipe is raised to (Linux's default limit for unprivileged users)
-PAGE = mmap.PAGESIZE  # a pipe stores each write from a fresh page when it does not fit the last one's rest
-OVERHEAD = 16  # bytes a burst's message adds per handle, at most
-HANDLE_BYTES = 1024  # what a pipe is sized for per handle waiting in it (a FileStorage pickles to ~150)
+HANDLE_BYTES = 1024  # what a pipe is sized for per handle a worker asks for (a FileStorage pickles to ~150)
+HANDLE_MAX = 64 << 10  # the largest pickled handle fed: a handle names where a sample is
+FLUSH_S = 0.005  # how often the thread writes again to a feed whose pipe was full
 STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and goes on
 
 
 class Feeder:
     """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
 
-    Workers are served in the order they asked (``need``). A write to a worker's feed never
-    blocks: a feed holds at most what fits in its pipe (sized for ``most`` handles, up to 1 MiB,
-    where the system allows), counted by the page, less room for the closing message; so the
-    thread stops promptly even when a worker is dead or no longer reads. A handle too large for
-    that is refused: the stream ends with a ``TypeError``.
+    Workers are served as they asked (``need``), never blocked on (see the module). Pipes are
+    raised to hold ``most`` handles (up to 1 MiB, where the system allows), so the buffer is rarely
+    used. A handle larger than ``HANDLE_MAX`` pickled is refused: the stream ends with a ``TypeError``.
     """
 
     def __init__(self, source: Any, feeds: list[Any], *, most: int) -> None:
-        if most < 1:
-            raise ValueError(f"{most=} must be >= 1")
         self.source, self._feeds = source, feeds
-        want = min(PIPE_MAX, max(16 * PAGE, most * HANDLE_BYTES * 2))
-        self._room_bytes = []
         for f in feeds:
-            capacity = pipe_capacity(f.fileno(), want)
-            self._room_bytes.append(capacity - max(2 * PAGE, capacity // 8))  # the rest: end, error, stop
-        if min(self._room_bytes) < 2 * PAGE:
-            raise OSError(
-                f"a DataLoader worker's feed pipe holds only {min(self._room_bytes) + 2 * PAGE} bytes; raise "
-                "/proc/sys/fs/pipe-user-pages-soft (this user's pipes use up its share), or use fewer loaders at once"
-            )
-        self._given: list[collections.deque[tuple[Any, int]]] = [collections.deque() for _ in feeds]
-        self._bytes = [0] * len(feeds)  # of the messages given and not yet reported, per feed
+            raise_pipe(f.fileno(), min(PIPE_MAX, max(1 << 16, most * HANDLE_BYTES)))
+            os.set_blocking(f.fileno(), False)
+        self._out = [bytearray() for _ in feeds]  # framed messages each pipe has not taken yet (the thread's)
+        self._given: list[collections.deque[bytes]] = [collections.deque() for _ in feeds]  # not yet reported
         self._want = [0] * len(feeds)  # handles asked for and not yet sent, per worker
         self._asking: collections.deque[int] = collections.deque()  # workers with a want, oldest first
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
-        self._stopped = False
-        self._carry: collections.deque[bytes] = collections.deque()  # taken, for the next bursts
+        self._stopped = self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
         self._thread.start()
@@ -97,8 +97,7 @@ class Feeder:
         with self._cond:
             given = self._given[worker]
             for _ in range(min(n, len(given))):
-                self._bytes[worker] -= given.popleft()[1]
-            self._cond.notify()
+                given.popleft()
 
     def restart(self, incarnation: int) -> None:
         """Persistent workers began iteration ``incarnation``: take from the source again (what was
@@ -108,38 +107,33 @@ class Feeder:
             self._cond.notify()
 
     def stop(self) -> None:
-        """Stop taking and tell every worker to stop (idempotent)."""
+        """Stop taking and tell every worker to stop (idempotent); what a pipe had no room for is
+        still written as the worker reads, until ``close``."""
         with self._cond:
             self._stopped = True
+            self._cond.notify()
+
+    def undelivered(self) -> list[Any]:
+        """After ``close``: every handle given to a worker that it did not report; forgotten here."""
+        with self._cond:
+            out = [t for given in self._given for t in given]
+            for given in self._given:
+                given.clear()
+        return out
+
+    def close(self) -> None:
+        """Stop, and once the thread is done, close the trainer's ends of the feeds."""
+        with self._cond:
+            self._stopped = self._closing = True
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
             if self._thread.is_alive():
                 logger.warning("the tsl-feeder thread did not stop within %.0f s; going on without it", STOP_WAIT_S)
-
-    def undelivered(self) -> list[Any]:
-        """After ``stop``: every handle given to a worker that it did not report; forgotten here."""
-        with self._cond:
-            out = [t for given in self._given for t, _ in given]
-            for w, given in enumerate(self._given):
-                given.clear()
-                self._bytes[w] = 0
-        return out
-
-    def close(self) -> None:
-        """Stop, then close the trainer's ends of the feeds."""
-        self.stop()
         for feed in self._feeds:
             feed.close()
 
     # ------------------------------------------------------------------ the thread
-    def _asker(self) -> int | None:
-        """The worker that asked first among those whose feed has room (half its pipe) for a burst."""
-        for w in self._asking:
-            if self._bytes[w] <= self._room_bytes[w] // 2:
-                return w
-        return None
-
     def _run(self) -> None:
         try:
             while self._step():
@@ -150,104 +144,98 @@ class Feeder:
             self._send_all((ERROR, error, self._incarnation))
         finally:
             self._send_all((STOP,))
-            if self._carry:
-                self.source.give_back(list(self._carry))
-                self._carry.clear()
+            while self._flush() and not self._closing:  # a worker that reads gets to the stop
+                with self._cond:
+                    self._cond.wait(FLUSH_S)
 
     def _step(self) -> bool:
+        waiting = self._flush()
         with self._cond:
-            while not self._stopped and (self._done or (worker := self._asker()) is None):
-                self._cond.wait()
             if self._stopped:
                 return False
-            incarnation = self._incarnation
+            if self._done or not self._asking:
+                self._cond.wait(FLUSH_S if waiting else None)
+                return True
+            worker, incarnation = self._asking[0], self._incarnation
             quota = self._want[worker]
-            room = self._room_bytes[worker] - self._bytes[worker]
-        burst, last = self._take(quota, room, incarnation)
+        burst, last = self._take(quota, incarnation)
         if burst:
-            cost = _pages(sum(len(data) + OVERHEAD for _, data in burst))
             with self._cond:
                 stopped = self._stopped
                 if not stopped:
-                    for i, (token, _) in enumerate(burst):  # before they are sent: a worker killed now loses nothing
-                        self._given[worker].append((token, cost if i == 0 else 0))
-                    self._bytes[worker] += cost
+                    self._given[worker].extend(burst)  # before they are sent: a worker killed now loses nothing
                     self._want[worker] -= len(burst)
                     if self._want[worker] <= 0:
                         self._want[worker] = 0
                         self._asking.remove(worker)
             if stopped:
-                self.source.give_back([t for t, _ in burst])
+                self.source.give_back(burst)
                 return False
-            try:
-                self._feeds[worker].send((FED, [data for _, data in burst]))
-            except (OSError, ValueError) as exc:
-                logger.warning(
-                    "could not feed DataLoader worker %d (%s); its handles go back when the iterator stops", worker, exc
-                )
+            self._out[worker] += _frame(ForkingPickler.dumps((FED, burst)))
         if last is not None:
             self._finish(incarnation, last)
         return True
 
-    def _take(self, quota: int, room: int, incarnation: int) -> tuple[list[tuple[Any, bytes]], tuple | None]:
-        """Up to ``quota`` handles that fit ``room`` bytes of a pipe, as ``(token, pickled handle)``
-        (the source's ``take_pickled``: a pickled handle is its own token): waits for the first,
-        then takes what is there (what does not fit waits in ``_carry`` for the next burst); and
-        the message that ends the stream, if it ended."""
-        burst: list[tuple[Any, bytes]] = []
-        used = 0
-        limit = min(self._room_bytes) // 4  # a handle's own message: it fits any hungry feed
-        carry = self._carry
+    def _take(self, quota: int, incarnation: int) -> tuple[list[bytes], tuple[Any, ...] | None]:
+        """Up to ``quota`` pickled handles (the source's ``take_pickled``: a pickled handle is its own
+        token): waits for the first, then takes what is there; and the message that ends the
+        stream, if it ended."""
+        burst: list[bytes] = []
         while len(burst) < quota and not self._stopped:
-            if not carry:
-                try:
-                    got = self.source.take_pickled(quota - len(burst), 0.0 if burst else TAKE_WAIT_S)
-                except _queue.Empty:
-                    break
-                except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
-                    return burst, (ERROR, exc, incarnation)
-                if got is None:
-                    return burst, (END, incarnation)
-                carry.extend(got)
-            data = carry[0]
-            if len(data) + OVERHEAD > limit:
-                carry.popleft()
-                self.source.fail([data])
-                why = (
-                    f"a handle of {len(data)} bytes pickled ({_type_name(data)}) is too large to feed a "
-                    f"DataLoader worker (at most {limit - OVERHEAD}): a handle names where a sample is; "
-                    "save the data itself"
-                )
-                return burst, (ERROR, TypeError(why), incarnation)
-            if burst and _pages(used + len(data) + OVERHEAD) > room:
+            try:
+                got = self.source.take_pickled(quota - len(burst), 0.0 if burst else TAKE_WAIT_S)
+            except _queue.Empty:
                 break
-            burst.append((carry.popleft(), data))
-            used += len(data) + OVERHEAD
+            except Exception as exc:  # noqa: BLE001 - e.g. ProducerDiedError: raised by each worker, in the trainer
+                return burst, (ERROR, exc, incarnation)
+            if got is None:
+                return burst, (END, incarnation)
+            for i, data in enumerate(got):
+                if len(data) > HANDLE_MAX:
+                    self.source.fail([data])
+                    self.source.give_back(got[i + 1 :])  # taken with it: taken again after a restart
+                    why = (
+                        f"a handle of {len(data)} bytes pickled ({_type_name(data)}) is too large to feed a "
+                        f"DataLoader worker (at most {HANDLE_MAX}): a handle names where a sample is; "
+                        "save the data itself"
+                    )
+                    return burst, (ERROR, TypeError(why), incarnation)
+                burst.append(data)
         return burst, None
 
-    def _finish(self, incarnation: int, msg: tuple) -> None:
+    def _finish(self, incarnation: int, msg: tuple[Any, ...]) -> None:
         with self._cond:
             if self._incarnation != incarnation:
                 return  # restarted meanwhile: take again
             self._done = True
         self._send_all(msg)
 
-    def _send_all(self, msg: tuple) -> None:
-        for feed in self._feeds:
+    def _send_all(self, msg: tuple[Any, ...]) -> None:
+        try:
+            data = ForkingPickler.dumps(msg)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
+            data = ForkingPickler.dumps((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}"), msg[2]))
+        frame = _frame(data)
+        for out in self._out:
+            out += frame
+
+    def _flush(self) -> bool:
+        """Write to each feed what its pipe takes now; True while some feed has more to write."""
+        for feed, out in zip(self._feeds, self._out, strict=True):
             try:
-                try:
-                    feed.send(msg)
-                except (OSError, ValueError):
-                    raise
-                except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
-                    feed.send((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}"), msg[2]))
-            except (OSError, ValueError):
-                pass  # a worker that is gone, or a feed closed: nothing to tell
+                while out:
+                    del out[: os.write(feed.fileno(), out)]
+            except BlockingIOError:
+                pass  # the pipe is full: the rest waits for the worker to read
+            except OSError:
+                out.clear()  # no worker reads this pipe any more, or the feed is closed: nothing to tell
+        return any(self._out)
 
 
-def _pages(nbytes: int) -> int:
-    """What a message of ``nbytes`` may take of a pipe: whole pages, and the rest of the last one."""
-    return (nbytes // PAGE + 2) * PAGE
+def _frame(data: bytes | memoryview) -> bytes:
+    """``data`` framed as ``Connection.send_bytes`` frames it (its length, 4 bytes; or -1 and 8), for ``recv``."""
+    n = len(data)
+    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data
 
 
 class FeedReader:

@@ -588,7 +588,7 @@ class StorageLoader(ABC):
             self._finish(
                 req,
                 error=WorkerDiedError(
-                    f"loader worker {event.index} (pid {event.pid}) died with exit code {event.exitcode} while "
+                    f"loader worker {event.worker} (pid {event.pid}) died with exit code {event.exitcode} while "
                     f"loading {req.storage!r}, after that load's first worker had died too; the sample may crash "
                     "the reader, or the machine is out of memory",
                     storage=req.storage,

@@ -12,7 +12,9 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeAlias
 
 from .. import _gpu  # noqa: F401 - replies are received through the GPU path, which importing it installs
 from .._proc import WakePipe
@@ -31,6 +33,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torch_storage_loader")
+_Conn: TypeAlias = "Connection[Load | None, Ready | Loaded | Failed]"  # the parent's end: sends, receives
 
 MAX_STARTUP_FAILURES = 3  # workers in a row that exit with an error before they are up: stop replacing them
 WORKER_NAME = "tsl-loader-worker-"
@@ -94,7 +97,7 @@ class WorkerHandle:
 
     __slots__ = ("conn", "index", "inflight", "proc", "ready", "sock")
 
-    def __init__(self, index: int, proc, conn) -> None:
+    def __init__(self, index: int, proc: BaseProcess, conn: _Conn) -> None:
         self.index, self.proc, self.conn = index, proc, conn
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))
         self.ready = False
@@ -115,7 +118,7 @@ class WorkerPool:
     def __init__(self, ctx: mp.context.BaseContext, size: int, config: WorkerConfig) -> None:
         self._ctx, self._size, self._config = ctx, size, config
         self.workers: list[WorkerHandle] = []
-        self._starting = None  # the parent end of a pipe whose worker is being started
+        self._starting: _Conn | None = None  # the parent end of a pipe whose worker is being started
         self._selector = selectors.DefaultSelector()
         self._wake = WakePipe()
         self._selector.register(self._wake.fileno(), selectors.EVENT_READ, None)
@@ -123,7 +126,7 @@ class WorkerPool:
         self._stopped = False
         self._startup_failures = 0
         self._launcher: threading.Thread | None = None  # starts the first workers (see start)
-        self._launched: list[tuple[int, Any, Any]] = []  # started by it, not yet adopted; under _launched_lock
+        self._launched: list[tuple[int, BaseProcess, _Conn]] = []  # started, not yet adopted; under _launched_lock
         self._launch_error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -160,12 +163,12 @@ class WorkerPool:
             self._launch_error = exc
             self.wake()
 
-    def _launch(self, index: int) -> tuple[int, Any, Any]:
+    def _launch(self, index: int) -> tuple[int, BaseProcess, _Conn]:
         cfg = self._config
         parent, child = self._ctx.Pipe(duplex=True)
         self._starting = parent  # a fork child closes its copy (see forget)
         try:
-            proc = self._ctx.Process(
+            proc: BaseProcess = self._ctx.Process(  # type: ignore[attr-defined]  # typeshed: on concrete contexts only
                 target=run_worker,
                 args=(child, cfg.n_slots, cfg.shm_directory, cfg.max_rings, cfg.budget, _objects.snapshot()),
                 name=f"{WORKER_NAME}{index}",
@@ -192,7 +195,7 @@ class WorkerPool:
     def _spawn(self, index: int) -> WorkerHandle:
         return self._adopt(*self._launch(index))
 
-    def _adopt(self, index: int, proc: Any, parent: Any) -> WorkerHandle:
+    def _adopt(self, index: int, proc: BaseProcess, parent: _Conn) -> WorkerHandle:
         worker = WorkerHandle(index, proc, parent)
         self.workers.append(worker)
         # By descriptor number: a closed Connection has no fileno().
@@ -220,12 +223,13 @@ class WorkerPool:
 
     def forget(self) -> None:
         """In a forked child: drop the parent's workers without touching them."""
+        # multiprocessing would otherwise terminate and join them at this process's exit.
+        children: set[BaseProcess] = mp.process._children  # type: ignore[attr-defined]  # private: not in typeshed
         for w in self.workers:
-            # multiprocessing would otherwise terminate and join them at this process's exit.
-            mp.process._children.discard(w.proc)
+            children.discard(w.proc)
             w.close()
         for _, proc, parent in self._launched:
-            mp.process._children.discard(proc)
+            children.discard(proc)
             parent.close()
         self._launched = []
         self._wake.close()
@@ -258,7 +262,7 @@ class WorkerPool:
         if self._stopped:
             return []
         self._adopt_launched()
-        events: list = []
+        events: list[Loaded | Failed | WorkerLost] = []
         for key, _ in self._selector.select(timeout):
             if key.data is None:
                 self._wake.drain()
@@ -298,7 +302,7 @@ class WorkerPool:
 
     def _lose(self, worker: WorkerHandle) -> list[Loaded | Failed | WorkerLost]:
         """Deliver the replies the dead worker completed, bury it, and start a replacement."""
-        events: list = []
+        events: list[Loaded | Failed | WorkerLost] = []
         try:
             while worker.conn.poll():
                 event = self._receive(worker)
@@ -310,6 +314,7 @@ class WorkerPool:
         self._selector.unregister(worker.conn.fileno())
         self._selector.unregister(worker.proc.sentinel)
         pid, lost = worker.proc.pid, tuple(worker.inflight)
+        assert pid is not None  # it was started before it was adopted
         code = self._bury(worker, timeout=5)
         failed_to_start = not worker.ready and code is not None and code > 0
         self._startup_failures = self._startup_failures + 1 if failed_to_start else 0

@@ -72,7 +72,7 @@ class WorkerLost(NamedTuple):
     """Parent-side event: a worker died with ``request_ids`` undelivered; ``restarted`` if replaced
     (not when ``MAX_STARTUP_FAILURES`` workers in a row failed before they were up)."""
 
-    index: int
+    worker: int  # its index in the pool
     pid: int
     exitcode: int | None
     request_ids: tuple[int, ...]
@@ -83,26 +83,26 @@ class WorkerLost(NamedTuple):
 class _SegmentPickler(ForkingPickler):
     """Pickles each ``ShmSegment`` as an index into ``fds``, the descriptors sent with the reply."""
 
-    def __init__(self, file) -> None:
+    def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.fds: list[int] = []
 
-    def persistent_id(self, obj):
+    def persistent_id(self, obj: object) -> tuple[str, int, int] | None:
         if isinstance(obj, ShmSegment):
-            if obj._fd < 0:
+            if (fd := obj._fd) is None or fd < 0:  # never None once built (mypy infers int | None)
                 raise ValueError("cannot send a ShmSegment whose descriptor was released")
-            self.fds.append(obj._fd)
+            self.fds.append(fd)
             return ("shm", len(self.fds) - 1, obj.size)
         return None
 
 
 class _SegmentUnpickler(pickle.Unpickler):
-    def __init__(self, file, fds: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
         super().__init__(file)
         self.fds = fds
         self.used: set[int] = set()
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: Any) -> ShmSegment:  # pid: what the reply's pickle says
         kind, index, size = pid
         if kind != "shm" or index in self.used or not 0 <= index < len(self.fds):
             raise pickle.UnpicklingError(f"bad shared-memory reference {pid!r} in a worker's reply")

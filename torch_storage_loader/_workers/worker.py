@@ -5,23 +5,24 @@ from __future__ import annotations
 import os
 import signal
 import socket
+from multiprocessing.connection import Connection
 
 from .._shm.filling import SlotFiller
 from .._shm.segments import ENV_DIR
 from .._stores import objects as _objects
 from ..errors import pack_exception
-from .protocol import STOP, Failed, Loaded, Ready, dumps_with_fds, send_fds
+from .protocol import STOP, Failed, Load, Loaded, Ready, dumps_with_fds, send_fds
 
 __all__ = ["run_worker"]
 
 
 def run_worker(
-    conn,
+    conn: Connection[Ready | Loaded | Failed, Load | None],  # sends, receives
     n_slots: int,
     shm_directory: str,
     max_rings: int = 8,
     budget: int | None = None,
-    object_stores: dict | None = None,
+    object_stores: dict[str, _objects.Config] | None = None,
 ) -> None:
     """A StorageLoader worker: answer each ``Load`` with ``Loaded`` or ``Failed`` until ``STOP`` or EOF.
 
@@ -47,7 +48,7 @@ def run_worker(
             try:
                 info, payload = filler.fill(msg.storage)
                 data, fds = dumps_with_fds(payload)
-                reply = Loaded(msg.request_id, info, data, len(fds))
+                reply: Loaded | Failed = Loaded(msg.request_id, info, data, len(fds))
             except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
                 payload, fds = None, []
                 reply = Failed(msg.request_id, *pack_exception(exc))

@@ -28,7 +28,7 @@ DEFAULT_RETRY_S = 30.0
 
 
 class Config(NamedTuple):
-    storage_options: dict
+    storage_options: dict[str, Any]  # fsspec's keyword arguments
     retry_timeout: float
 
     def __repr__(self) -> str:  # options hold credentials: never print them
@@ -62,7 +62,7 @@ def root(url: str) -> str:
 
 
 def configure_object_store(
-    url: str, storage_options: dict | None = None, *, retry_timeout: float | None = None
+    url: str, storage_options: dict[str, Any] | None = None, *, retry_timeout: float | None = None
 ) -> None:
     """Use ``storage_options`` (given to fsspec as they are: for s3fs ``key``, ``secret``,
     ``endpoint_url``...) for objects under ``url``'s bucket, in this process and in the workers of
@@ -113,7 +113,7 @@ def config_for(url: str) -> Config:
     return Config({}, DEFAULT_RETRY_S)
 
 
-def filesystem(url: str):
+def filesystem(url: str) -> Any:  # an fsspec AbstractFileSystem (fsspec has no type information)
     import fsspec  # torch's own dependency; the S3 client is the s3 extra's
 
     proto = protocol(url)

@@ -14,9 +14,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._proc import ForkSafeLock, after_fork_in_child
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 __all__ = ["get_ranges", "store", "use_obstore_here"]
 
@@ -46,7 +49,7 @@ _S3_IGNORED = {
 }
 
 _lock = ForkSafeLock()
-_stores: dict[tuple, Any] = {}  # (pid, "proto://bucket", options) -> obstore store
+_stores: dict[tuple[int, str, str], Any] = {}  # (pid, "proto://bucket", options) -> obstore store
 
 # obstore's runtime does not survive fork: a forked child of a process that used it hangs in it.
 # So only worker processes use it (they opt in), and never one forked from a process that had
@@ -69,7 +72,7 @@ def _no_obstore_in_child() -> None:
     _obstore_allowed, _obstore_poisoned = False, _obstore_poisoned or _obstore_used or "obstore" in sys.modules
 
 
-def store(root: str, opts: dict) -> Any:
+def store(root: str, opts: dict[str, Any]) -> Any:
     """An obstore store for bucket ``root`` (``s3://bucket``) with the fsspec options ``opts``, or None
     (not a worker, not installed, or options it cannot take)."""
     global _obstore_used
@@ -110,7 +113,7 @@ def store(root: str, opts: dict) -> Any:
     return made
 
 
-def _s3_store(S3Store, bucket: str, config: dict):
+def _s3_store(S3Store: Callable[..., Any], bucket: str, config: dict[str, Any]) -> Any:
     endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     config.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
     client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else {}
@@ -136,17 +139,17 @@ def get_ranges(
 
     key = url.split("://", 1)[1].split("/", 1)[1]
 
-    def options(r):
-        return {"range": r, **({"if_match": version} if version else {})}
+    def options(r: tuple[int, int]) -> GetOptions:
+        return {"range": r, "if_match": version} if version else {"range": r}
 
     if len(ranges) == 1:
         sink(0, obstore.get(s3, key, options=options(ranges[0])).bytes())
         return
 
-    async def all_ranges():
+    async def all_ranges() -> None:
         limit = asyncio.Semaphore(window)
 
-        async def one(i, r):
+        async def one(i: int, r: tuple[int, int]) -> None:
             async with limit:
                 sink(i, await (await obstore.get_async(s3, key, options=options(r))).bytes_async())
 

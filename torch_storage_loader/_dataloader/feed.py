@@ -161,7 +161,7 @@ class Feeder:
         burst, last = self._take(quota, incarnation)
         if burst:
             with self._cond:
-                stopped = self._stopped
+                stopped: bool = self._stopped  # bool: stop() may have run since the check above
                 if not stopped:
                     self._given[worker].extend(burst)  # before they are sent: a worker killed now loses nothing
                     self._want[worker] -= len(burst)

@@ -29,9 +29,9 @@ class Tag(NamedTuple):
     name: str  # what the node holds, in words (errors)
     type: Any = None  # the Python type written as this tag and built from it; a treetensor tree: its arrays' kind
     size: int = 2  # a scalar node's length
-    write: Callable[[Any], list] | None = None  # a scalar: its value -> the node's fields after the tag
-    read: Callable[[list], Any] | None = None  # a scalar: its node -> its value
-    valid: Callable[[list], bool] | None = None  # a scalar: whether a node of its size holds a value of its type
+    write: Callable[[Any], list[Any]] | None = None  # a scalar: its value -> the node's fields after the tag
+    read: Callable[[list[Any]], Any] | None = None  # a scalar: its node -> its value
+    valid: Callable[[list[Any]], bool] = lambda node: False  # a scalar: whether a node of its size holds its type
 
 
 def _is_inline_int(v: Any) -> bool:
@@ -48,7 +48,13 @@ def _is_hex_float(v: Any) -> bool:
     return True
 
 
-def _scalar(type_: type, write: Callable, read: Callable, valid: Callable, size: int = 2) -> Tag:
+def _scalar(
+    type_: type,
+    write: Callable[[Any], list[Any]],
+    read: Callable[[list[Any]], Any],
+    valid: Callable[[list[Any]], bool],
+    size: int = 2,
+) -> Tag:
     return Tag("scalar", "scalar", type_, size, write, read, valid)
 
 
@@ -105,7 +111,7 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
     and subtrees of their own, at most ``MAX_TREE_DEPTH`` containers deep, and array leaves numbered
     0, 1, 2... in depth-first order, each array used exactly once. What passes builds."""
     leaves = 0
-    stack: list = [(spec, 0, None)]
+    stack: list[tuple[Any, int, str | None]] = [(spec, 0, None)]
     pop, push = stack.pop, stack.append
     while stack:
         node, depth, tree = pop()  # tree: the tag of the treetensor tree holding this node, if any

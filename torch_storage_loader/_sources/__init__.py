@@ -45,20 +45,22 @@ class Source(Protocol):
     """A streaming source of handles (see the module)."""
 
     finite: bool
-    keep_alive_every: float | None
     ack_in_background: bool
     fed_from_trainer: bool
+
+    @property
+    def keep_alive_every(self) -> float | None: ...  # read-only: a class may say None, or a float
 
     def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
         """``(token, handle)`` pairs for consumer ``shard`` of ``num_shards`` of trainer ``family``."""
 
-    def ack(self, tokens: list) -> None: ...
+    def ack(self, tokens: list[Any]) -> None: ...
 
-    def fail(self, tokens: list) -> None: ...
+    def fail(self, tokens: list[Any]) -> None: ...
 
-    def give_back(self, tokens: list) -> None: ...
+    def give_back(self, tokens: list[Any]) -> None: ...
 
-    def keep_alive(self, tokens: list) -> None: ...
+    def keep_alive(self, tokens: list[Any]) -> None: ...
 
 
 @runtime_checkable

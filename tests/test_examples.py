@@ -44,6 +44,8 @@ def test_a_script_without_main_guard_gets_one_error_that_names_it(tmp_path, meth
     assert lines[-1].startswith("torch_storage_loader.errors.WorkerDiedError") and MAIN_GUARD in lines[-1], lines[-1]
     # One error, not each worker's re-run of the script (500+ lines of tracebacks before).
     assert len(lines) <= 15 and "bootstrapping phase" not in result.stderr, result.stderr
+    # Its two workers, once: no later load starts more (each would run the script again).
+    assert sum("died with exit code 87" in line for line in lines) <= 2, result.stderr
 
 
 ROADS = [

@@ -108,7 +108,8 @@ def collect(
 
 
 def _model() -> pl.LightningModule:
-    import lightning.pytorch as pl  # installed: run() required it
+    require("lightning.pytorch", "lightning", "The demo")  # where it is missing: which extra installs it
+    import lightning.pytorch as pl
 
     class RewardModel(pl.LightningModule):
         """Predicts each step's reward from its stacked frames."""
@@ -158,7 +159,8 @@ class _Run(TypedDict):
 
 
 def _fit(datamodule: pl.LightningDataModule, args: argparse.Namespace, progress: bool) -> _Run:
-    import lightning.pytorch as pl  # installed: run() required it
+    require("lightning.pytorch", "lightning", "The demo")  # where it is missing: which extra installs it
+    import lightning.pytorch as pl
 
     from .lightning import StorageStatsCallback
 

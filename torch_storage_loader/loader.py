@@ -254,6 +254,9 @@ class StorageLoader(ABC):
         self._cond = threading.Condition(self._lock)
         self._counts: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count()
+        # Workers that exit with UNGUARDED_MAIN_EXIT as they start would do so in every session:
+        # later loads fail at once with the same error, never starting (and re-running the script in) more.
+        self._cannot_start: _WorkersCannotStart | None = None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -435,6 +438,9 @@ class StorageLoader(ABC):
             refuse_start_while_bootstrapping()  # before anything is queued: this process exits or raises
         req = _Request(storage, callback)
         self._on_submit(storage)
+        if self._cannot_start is not None:
+            self._finish(req, error=self._cannot_start.error_for(storage))
+            return req.future
         with self._lock:
             if self._closing:
                 self._on_finish(storage)
@@ -485,6 +491,8 @@ class StorageLoader(ABC):
                 return
             if not isinstance(exc, _WorkersCannotStart):
                 logger.exception("the loader's receiving thread failed; failing its pending loads")
+            elif exc.event.exitcode == UNGUARDED_MAIN_EXIT:
+                self._cannot_start = exc
             with self._lock:
                 mine = self._pool is pool
             if mine:

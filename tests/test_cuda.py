@@ -65,7 +65,7 @@ def files(tmp_path):
 
 
 def in_registered_ring(ptr: int) -> bool:
-    return any(a <= ptr < a + n for a, n in _pinning._state.registered.items())
+    return any(a <= ptr < a + n for a, (n, _) in _pinning._state.registered.items())
 
 
 def test_slot_tensors_are_pinned_and_pass_the_pin_thread_uncopied(files):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch_storage_loader import (
     StorageQueue,
 )
 from torch_storage_loader._gpu import pinning as _pinning
+from torch_storage_loader._shm import slots as _slots
 
 # Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
 # workers are forked here on purpose, and pytest.warns would re-raise that warning.
@@ -379,6 +381,34 @@ def test_a_forked_child_never_destroys_the_parents_pending_events(gpu):
     assert code == 0, f"the forked child destroyed {code} of its parent's pending events"
     gpu.complete_all()
     _pinning._state.releases.drain()
+
+
+def lock_free(lock) -> bool:
+    """Whether another thread can take ``lock`` (an RLock is re-entered by its own thread)."""
+    got = []
+
+    def take():
+        ok = lock.acquire(timeout=2)
+        if ok:
+            lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_page_locking_does_not_hold_the_ring_registry(gpu, files):
+    """cudaHostRegister / Unregister may wait for the device: the rings' registry stays free meanwhile."""
+    held = []
+    gpu.during_calls = lambda what: None if lock_free(_slots._registry.lock) else held.append(what)
+    seen = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
+    assert sorted(seen) == list(range(12))
+    gc.collect()
+    wait_for(lambda: not gpu.registered and _pinning._state.releases.pending() == 0)
+    assert {e[0] for e in gpu.log} == {"register", "unregister"}
+    assert held == [], f"{held} ran with the ring registry locked"
 
 
 @pytest.mark.fake_gpu(devices=2)

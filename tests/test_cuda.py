@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -65,7 +67,7 @@ def files(tmp_path):
 
 
 def in_registered_ring(ptr: int) -> bool:
-    return any(a <= ptr < a + n for a, n in _pinning._state.registered.items())
+    return any(a <= ptr < a + n for a, (n, _) in _pinning._state.registered.items())
 
 
 def test_slot_tensors_are_pinned_and_pass_the_pin_thread_uncopied(files):
@@ -241,3 +243,161 @@ def test_lightning_fit_with_device(tmp_path):
     )
     trainer.fit(model, datamodule=dm)
     assert sorted(model.seen) == list(range(24))
+
+
+# ------------------------------------------------------------------------------------ issue 33
+def two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices ({torch.cuda.device_count()} here)")
+
+
+def test_devices_in_use_are_asked_of_the_driver():
+    """The GPU path calls the GPU only on devices with a context: it must see the current one."""
+    torch.empty(1, device="cuda")
+    acc = _pinning.accelerator()
+    assert torch.cuda.current_device() in acc.devices_in_use()
+    assert acc.devices_in_use() == sorted(acc.devices_in_use())
+
+
+_ON_DEVICE_1 = """
+import gc, sys, time, torch
+from torch.utils.data import DataLoader
+from torch_storage_loader import FileStorage, FileStorageLoader, StorageDataset
+from torch_storage_loader._gpu import cudart, pinning
+torch.cuda.set_device(1)  # a DDP rank 1: nothing of the library's may make a context on cuda:0
+files = [FileStorage(p) for p in sys.argv[1:]]
+for b in DataLoader(StorageDataset(files, batch_size=4), batch_size=None, num_workers=2, pin_memory=True):
+    b["obs"].to("cuda", non_blocking=True).mul_(2)
+for b in DataLoader(StorageDataset(files, batch_size=4, device="cuda"), batch_size=None, num_workers=2):
+    b["obs"].mul_(2)
+with FileStorageLoader(files[0].path.rsplit("/", 1)[0], ttl=None, worker_num=1) as loader:
+    for f in files:
+        torch.from_numpy(loader.load_async(f).result(timeout=60)["obs"]).to("cuda", non_blocking=True)
+torch.cuda.synchronize()
+deadline = time.monotonic() + 20
+while (pinning.pinned_bytes() or pinning._state.releases.pending()) and time.monotonic() < deadline:
+    gc.collect()
+    time.sleep(0.05)
+assert cudart.has_context(1), "no context on cuda:1?"
+assert not cudart.has_context(0), "the library made a context on cuda:0"
+"""
+
+
+def test_no_thread_of_the_library_makes_a_context_on_another_device(files):
+    """Risk 1: the trainer on cuda:1 (a fresh process: this one has a context on cuda:0 already)."""
+    two_gpus()
+    subprocess.run([sys.executable, "-c", _ON_DEVICE_1, *[f.path for f in files]], check=True, timeout=240)
+
+
+def test_a_slot_copied_to_another_device_is_not_refilled_under_the_copy(tmp_path):
+    """Risk 1: copied to cuda:1 (busy) while cuda:0 (idle) is current; its release waits for cuda:1."""
+    two_gpus()
+    from torch_storage_loader._dataloader.hooks import gpu_sleep
+
+    torch.empty(1, device="cuda:1")  # cuda:1 in use in this process
+    a, b = save(tmp_path, 1, n=1024), save(tmp_path, 2, n=1024)
+    with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1, max_rings_per_worker=1) as loader:
+        loader.start()
+        first = loader.load_async(a).result(timeout=60)
+        host = torch.from_numpy(first["obs"])
+        assert host.is_pinned() and torch.cuda.current_device() == 0
+        with torch.cuda.device(1):
+            gpu_sleep(GPU_SLEEP_CYCLES)  # the copy below waits behind this on cuda:1's stream
+        on_gpu = host.to("cuda:1", non_blocking=True)
+        del first, host
+        gc.collect()
+        second = loader.load_async(b).result(timeout=60)
+        assert int(second["id"]) == 2
+        torch.cuda.synchronize(1)
+        assert torch.equal(on_gpu, torch.full_like(on_gpu, 1.0)), "the slot was refilled under the copy"
+        del second
+
+
+def test_a_forked_child_leaves_the_parents_pending_events_alone():
+    """Risk 3: releases pending at a fork; the child must not call CUDA for them (nothing on its stderr)."""
+    from torch_storage_loader._dataloader.hooks import gpu_sleep
+
+    gpu_sleep(GPU_SLEEP_CYCLES)
+    for _ in range(3):
+        _pinning.defer(lambda: None)  # events recorded behind the sleep: pending
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(w, 2)
+            gc.collect()
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        err = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and "CUDA" not in err, err
+    _pinning._state.releases.drain()
+
+
+def _lock_free(lock) -> bool:
+    import threading
+
+    got = []
+
+    def take():
+        ok = lock.acquire(timeout=2)
+        if ok:
+            lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_page_locking_runs_outside_the_ring_registry(files, monkeypatch):
+    """Risk 4: cudaHostRegister / Unregister (the real ones, called through) never hold the registry."""
+    torch.empty(1, device="cuda")
+    acc = _pinning.accelerator()
+    held, calls = [], []
+
+    def probing(name, real):
+        def probe(*args):
+            calls.append(name)
+            if not _lock_free(_slots._registry.lock):
+                held.append(name)
+            return real(*args)
+
+        return probe
+
+    for name in ("register", "unregister"):
+        monkeypatch.setattr(acc, name, probing(name, getattr(acc, name)))
+    for b in DataLoader(StorageDataset(files, batch_size=4), batch_size=None, num_workers=2):
+        b["obs"].to("cuda", non_blocking=True)
+    del b
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _pinning.pinned_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert {"register", "unregister"} <= set(calls) and held == [], (calls, held)
+
+
+def test_a_device_this_machine_lacks_is_refused():
+    """Risk 7: at construction, naming the devices there are."""
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device='cuda:{n}': this process sees {n} device.*CUDA_VISIBLE_DEVICES"):
+        StorageDataset([], device=f"cuda:{n}")
+
+
+def test_the_trainer_waits_for_each_copy(files):
+    """Risk 7: each copy queued behind a slow kernel on the side stream; the trainer reads at once."""
+    from torch_storage_loader._dataloader.hooks import gpu_sleep
+
+    side = _pinning.accelerator().side_stream(torch.device("cuda", torch.cuda.current_device()))
+    it = iter(DataLoader(StorageDataset(files, device="cuda"), batch_size=None, num_workers=0))
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            gpu_sleep(GPU_SLEEP_CYCLES // 4)
+        s = next(it)
+        got = s["obs"].clone()  # on the trainer's stream, queued at once
+        assert torch.equal(got, torch.full_like(got, float(s["id"].item()))), "read before the copy was done"
+    del it

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from _fake_gpu import FakeGPU, mapped
+from _fake_gpu import FakeEvent, FakeGPU, mapped
 from conftest import assert_same
 from torch.utils.data import DataLoader
 
@@ -26,6 +27,7 @@ from torch_storage_loader import (
     StorageQueue,
 )
 from torch_storage_loader._gpu import pinning as _pinning
+from torch_storage_loader._shm import slots as _slots
 
 # Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
 # workers are forked here on purpose, and pytest.warns would re-raise that warning.
@@ -110,7 +112,9 @@ def test_registration_waits_until_the_process_uses_the_gpu(gpu, files):
 @pytest.mark.fake_gpu(refuse="cudaHostRegister returned 2, out of memory")
 def test_refusal_warns_once_and_loads_unpinned(gpu, files):
     with pytest.warns(
-        SlotPinningWarning, match=r"RLIMIT_MEMLOCK \(ulimit -l\) is .*docker run --ulimit memlock=-1"
+        SlotPinningWarning,
+        match=r"out of memory\). The NVIDIA driver locks the pages without charging RLIMIT_MEMLOCK; .*free RAM.*"
+        r"memory limit.*lower max_shm_bytes",
     ) as w:
         out = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
         out += [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
@@ -239,7 +243,7 @@ def test_device_samples_match_host_samples(gpu, tmp_path, num_workers, batch_siz
         assert_same(w, g)
         for t in tensors_of(g):
             assert data_ptr(t) in gpu.allocated or t.numel() == 0, "a tensor did not go through the device copy"
-    assert len(gpu.consumed) == len(got)  # each one waited for on the trainer's side
+    assert len(gpu.waits) == len(got)  # each one waited for on the trainer's side
 
 
 def test_dataloader_side_batching_on_device(gpu, tmp_path):
@@ -283,7 +287,7 @@ def test_device_with_a_streaming_source(gpu, tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_sample_too_large_for_the_device(gpu, files, num_workers):
     it = iter(DataLoader(StorageDataset(files, device="cpu", batch_size=4), batch_size=None, num_workers=num_workers))
-    with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu, which has"):
+    with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu:0, which has"):
         next(it)
     del it
 
@@ -297,14 +301,12 @@ def test_device_validation():
     assert StorageDataset([], device="cpu").device is None  # nothing to move
 
 
-def test_release_queue_runs_in_order_and_its_thread_exits():
-    from _fake_gpu import FakeEvent
-
+def test_release_queue_runs_in_order_and_its_thread_exits(gpu):
     q = _pinning.ReleaseQueue()
     done = []
-    events = [FakeEvent([]) for _ in range(3)]
+    events = [FakeEvent(gpu, 0, []) for _ in range(3)]
     for i, e in enumerate(events):
-        q.put(e, lambda i=i: done.append(i))
+        q.put(gpu, [(0, e)], lambda i=i: done.append(i))
     time.sleep(0.05)
     assert done == [] and q.pending() == 3  # nothing runs before its event
     events[1].complete()
@@ -315,3 +317,112 @@ def test_release_queue_runs_in_order_and_its_thread_exits():
     q.drain()
     assert done == [0, 1, 2]
     wait_for(lambda: not any(t.name == "tsl-slot-release" for t in __import__("threading").enumerate()))
+
+
+# ------------------------------------------------------------- devices, threads, fork (issue 33)
+@pytest.mark.fake_gpu(devices=2, contexts=[1])
+def test_threads_of_the_library_call_the_gpu_on_the_trainers_device_only(gpu, tmp_path):
+    """The trainer on device 1 (DDP rank 1): the release thread, the ring reaper and a loader's
+    receiving thread must not create a context on device 0 (a fresh thread's current device)."""
+    files = [save(tmp_path, i) for i in range(6)]
+    gpu.set_device(1)
+    seen = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
+    seen += [int(s["id"]) for s in DataLoader(StorageDataset(files, device="cpu"), batch_size=None, num_workers=2)]
+    with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1) as loader:
+        loader.start()
+        seen += [int(loader.load_async(f).result()["id"]) for f in files]
+    assert sorted(seen) == sorted(list(range(6)) * 3)
+    gc.collect()
+    wait_for(lambda: not gpu.registered and _pinning._state.releases.pending() == 0)
+    threads = {thread for _, thread, _ in gpu.calls}
+    assert {"tsl-slot-release", "tsl-loader-recv"} <= threads  # the library's own threads called it
+    assert any(what == "unregister" for what, _, _ in gpu.calls)
+    assert gpu.contexts == {1}, [c for c in gpu.calls if c[2] != 1]
+
+
+@pytest.mark.fake_gpu(devices=2, contexts=[0, 1], late=[1])
+def test_slot_not_reused_while_a_copy_to_another_device_is_queued(gpu, tmp_path):
+    """A slot tensor copied to device 1 while device 0 is current (device 1 busy, device 0 idle):
+    its release must wait for device 1's stream too."""
+    a, b = save(tmp_path, 1), save(tmp_path, 2)
+    with FileStorageLoader(str(tmp_path), ttl=None, worker_num=1, slots_per_worker=1) as loader:
+        loader.start()
+        first = loader.load_async(a).result()
+        assert gpu.sees_pinned(first["obs"].ctypes.data)
+        on_gpu = gpu.copy_async(torch.from_numpy(first["obs"]), device=1)  # cuda:1, with cuda:0 current
+        del first
+        gc.collect()
+        second = loader.load_async(b).result()  # the worker needs a slot now
+        assert int(second["id"]) == 2
+        gpu.complete_all()
+        assert torch.equal(on_gpu, torch.full((16, 1024), 1.0)), "the slot was refilled before the copy read it"
+        del second
+        gpu.complete_all()
+        wait_for(lambda: _pinning._state.releases.pending() == 0)
+
+
+@pytest.mark.fake_gpu(auto=False)
+def test_a_forked_child_never_destroys_the_parents_pending_events(gpu):
+    """Releases pending at a fork (a DataLoader starting its workers mid-training): the child must
+    not run the destructors of the parent's events (CUDA calls in a forked child)."""
+    for _ in range(3):
+        _pinning.defer(lambda: None)
+    wait_for(lambda: _pinning._state.releases.pending() == 3)
+    pid = os.fork()
+    if pid == 0:  # the child: report how many of the parent's events it destroyed
+        code = 100
+        try:
+            gc.collect()
+            code = min(FakeEvent.destroyed_after_fork, 99)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == 0, f"the forked child destroyed {code} of its parent's pending events"
+    gpu.complete_all()
+    _pinning._state.releases.drain()
+
+
+def lock_free(lock) -> bool:
+    """Whether another thread can take ``lock`` (an RLock is re-entered by its own thread)."""
+    got = []
+
+    def take():
+        ok = lock.acquire(timeout=2)
+        if ok:
+            lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_page_locking_does_not_hold_the_ring_registry(gpu, files):
+    """cudaHostRegister / Unregister may wait for the device: the rings' registry stays free meanwhile."""
+    held = []
+    gpu.during_calls = lambda what: None if lock_free(_slots._registry.lock) else held.append(what)
+    seen = [int(s["id"]) for s in DataLoader(StorageDataset(files), batch_size=None, num_workers=2)]
+    assert sorted(seen) == list(range(12))
+    gc.collect()
+    wait_for(lambda: not gpu.registered and _pinning._state.releases.pending() == 0)
+    assert {e[0] for e in gpu.log} == {"register", "unregister"}
+    assert held == [], f"{held} ran with the ring registry locked"
+
+
+@pytest.mark.fake_gpu(devices=2)
+def test_a_device_this_machine_lacks_is_refused_at_construction(gpu):
+    assert StorageDataset([], device="cpu:1").device == "cpu:1"
+    with pytest.raises(ValueError, match=r"device='cpu:2'.* 2 devices \(cpu:0 to cpu:1\).*CUDA_VISIBLE_DEVICES"):
+        StorageDataset([], device="cpu:2")
+
+
+@pytest.mark.fake_gpu(auto=False)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_trainer_waits_for_each_copy_it_uses(gpu, files, num_workers):
+    """Copies complete late: a trainer whose stream did not wait for the copy would read poison."""
+    ds = StorageDataset(files, device="cpu")
+    for s in DataLoader(ds, batch_size=None, num_workers=num_workers):
+        assert torch.equal(s["obs"], torch.full((16, 1024), float(int(s["id"])))), "read before the copy"
+        assert data_ptr(s["obs"]) in gpu.kept  # its memory is not reused before the trainer's work on it

@@ -31,10 +31,26 @@ class CudaAccelerator:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
-    # ----------------------------------------------------------------------------- pinning
-    def in_use(self) -> bool:
-        return torch.cuda.is_initialized()
+    # ----------------------------------------------------------------------------- devices
+    def devices_in_use(self) -> list[int]:
+        if not torch.cuda.is_initialized():
+            return []
+        try:
+            return [i for i in range(torch.cuda.device_count()) if _cudart.has_context(i)]
+        except RuntimeError:  # this torch cannot tell: the calling thread's device (its caller chose it)
+            return [torch.cuda.current_device()]
 
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def on_device(self, index: int) -> torch.cuda.device:
+        # Restoring the device before it on exit creates no context there (torch's MaybeExchangeDevice).
+        return torch.cuda.device(index)
+
+    # ----------------------------------------------------------------------------- pinning
     def register(self, address: int, size: int) -> None:
         try:
             code, name = _cudart.host_register(address, size)
@@ -54,7 +70,7 @@ class CudaAccelerator:
 
     def record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(blocking=True)  # its waiter sleeps instead of spinning
-        event.record()
+        event.record()  # on the current device's current stream
         return event
 
     def handles(self, device: Any) -> bool:
@@ -87,13 +103,11 @@ class CudaAccelerator:
                 stage.event = torch.cuda.Event(blocking=True)
                 stage.event.record(stream)
 
-    def consume(self, owned: list, event: Any, device: torch.device) -> None:
-        """On the consumer's thread: its current stream waits for the copy, and the copy's memory is
-        not reused before the work it queues next is done."""
-        current = torch.cuda.current_stream(device)
-        current.wait_event(event)
-        for t in owned:
-            t.record_stream(current)
+    def current_stream(self, device: Any) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
 
 
 class CopyStage:
@@ -101,6 +115,7 @@ class CopyStage:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.index: int = device.index
         self.owned: list[torch.Tensor] = []  # device memory allocated on the side stream
         self.event: Any = None
 

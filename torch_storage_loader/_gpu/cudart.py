@@ -9,6 +9,11 @@ one of them turns into a clear fallback or error here instead of a silent misbeh
   the calling thread, which torch's next kernel-launch check would report as its own failure: it
   is cleared through the runtime library torch loaded (``cudaGetLastError``).
 
+- ``cuDeviceGet`` / ``cuDevicePrimaryCtxGetState`` of the CUDA driver library the process loaded
+  (``libcuda``, as torch's own ``hasPrimaryContext`` asks it): whether a device has a context,
+  without creating one. The GPU path calls the GPU only on such devices (``has_context``); the
+  driver numbers devices as the runtime and torch do (both after ``CUDA_VISIBLE_DEVICES``).
+
 Imported only in processes that use CUDA (or its tests); DataLoader workers never import it.
 """
 
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_error_name", "host_register", "host_unregister", "registration_api"]
+__all__ = ["cuda_error_name", "has_context", "host_register", "host_unregister", "registration_api"]
 
 # cudaHostRegisterPortable: page-locked for every CUDA context of the process, so that whichever
 # thread (and current device) unregisters it later, the registration is found.
@@ -40,6 +45,24 @@ def registration_api() -> Any:
     if missing:
         raise RuntimeError(f"torch {torch.__version__}'s torch.cuda.cudart() lacks {', '.join(missing)}")
     return cudart
+
+
+def has_context(index: int) -> bool:
+    """Whether device ``index`` has a CUDA context in this process (asking creates none); raise
+    ``RuntimeError`` where the driver cannot be asked."""
+    lib = _loaded_library("libcuda.so")
+    if lib is None:
+        raise RuntimeError("the CUDA driver library (libcuda) is not loaded in this process")
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    try:
+        rc = lib.cuDeviceGet(ctypes.byref(device), index)
+        if not rc:
+            rc = lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
+    except AttributeError as exc:  # a driver library without the call
+        raise RuntimeError(f"the CUDA driver library lacks it: {exc}") from None
+    if rc:
+        raise RuntimeError(f"the CUDA driver could not say whether device {index} has a context (CUresult {rc})")
+    return bool(active.value)
 
 
 def _code(rc: Any) -> int:
@@ -75,25 +98,23 @@ def _outcome(rc: Any) -> tuple[int, str]:
 
 
 @functools.cache
-def _runtime_library() -> Any:
-    """The CUDA runtime library this process loaded (torch's), or None when it cannot be found."""
+def _loaded_library(prefix: str) -> Any:
+    """The library this process loaded whose file name starts with ``prefix`` (torch's), or None."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libcudart" in line}
+            paths = {line.split(maxsplit=5)[-1].strip() for line in f if prefix in line}
     except OSError:
         return None
     for path in sorted(paths):
-        if os.path.basename(path).startswith("libcudart.so"):
+        if os.path.basename(path).startswith(prefix):
             try:
-                lib = ctypes.CDLL(path)  # already loaded: the same instance, the same per-thread error
-                lib.cudaGetLastError.restype = ctypes.c_int
-                return lib
-            except (OSError, AttributeError):
+                return ctypes.CDLL(path)  # already loaded: the same instance (the same per-thread state)
+            except OSError:
                 continue
     return None
 
 
 def _clear_last_error() -> None:
-    lib = _runtime_library()
-    if lib is not None:
+    lib = _loaded_library("libcudart.so")
+    if lib is not None and hasattr(lib, "cudaGetLastError"):
         lib.cudaGetLastError()

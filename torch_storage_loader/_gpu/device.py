@@ -45,7 +45,11 @@ class DeviceItem:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
-        _pinning.accelerator().consume(self.owned, self.event, self.device)
+        acc = _pinning.accelerator()
+        stream = acc.current_stream(self.device)
+        stream.wait_event(self.event)  # what the trainer queues next runs after the copy
+        for t in self.owned:
+            acc.record_stream(t, stream)  # the copy's memory is not reused before that work is done
         self.owned = []
         return self.sample
 
@@ -60,6 +64,15 @@ def normalize(device: Any) -> str | None:
         raise ValueError(f"{device=} is not a device ({exc}); pass 'cuda', 'cuda:1', a torch.device, or None") from None
     acc = _pinning.accelerator()
     if acc is not None and acc.handles(dev):
+        count = acc.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            seen = (
+                f"{count} devices ({dev.type}:0 to {dev.type}:{count - 1})" if count > 1 else f"1 device ({dev.type}:0)"
+            )
+            raise ValueError(
+                f"{device=}: this process sees {seen}; pass one of them, or '{dev.type}' for the current "
+                "device (CUDA_VISIBLE_DEVICES renumbers the devices a process sees from 0)"
+            )
         return str(dev)
     if dev.type == "cpu":
         return None  # samples are on the CPU already
@@ -83,7 +96,7 @@ def deliver(plan: Plan, host: np.ndarray, path: str, device: str, release: Calla
         if stage is None or stage.event is None:
             release()  # nothing was issued
         else:
-            _pinning.defer(release, stage.event)
+            _pinning.defer(release, stage.event, stage.index)
 
 
 def to_device(obj: Any, device: str) -> Any:

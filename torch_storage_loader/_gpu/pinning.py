@@ -11,22 +11,28 @@ Per process (a trainer that maps rings):
   whole (one range; pre-faulted first), and unregistered before it is unmapped. So the registered
   bytes never exceed the mapped rings, which the loaders' and datasets' slot budgets bound
   (``pinned_bytes``). One-off segments (outliers, fallbacks) are never registered: registering
-  costs about 0.1 s per GB, too much for memory used once. A refusal (``RLIMIT_MEMLOCK``, a
-  container) disables pinning in the process with one ``SlotPinningWarning`` naming the limit and
-  the fix; samples then take the unpinned path, as before. ``TORCH_STORAGE_LOADER_PIN_SLOTS=0``
-  turns pinning off.
+  costs about 0.1 s per GB, too much for memory used once. A refusal (the memory to lock, a
+  platform that cannot register host memory) disables pinning in the process with one
+  ``SlotPinningWarning`` naming the likely cause and the fix; samples then take the unpinned path,
+  as before. ``TORCH_STORAGE_LOADER_PIN_SLOTS=0`` turns pinning off.
 - **Deferred release.** Torch tracks in-flight asynchronous copies only for memory from its own
   pinned allocator. A slot of a registered ring whose last view is dropped may still be read by a
-  copy queued on the GPU (``.to("cuda", non_blocking=True)``): its release records an event on the
-  releasing thread's current stream, and a thread (``tsl-slot-release``) gives the slot back once
-  that event completed (copies to ``device=`` record theirs after the copy). Work queued on other
-  streams is not covered: whoever copies on a stream of their own makes the current stream wait
-  for it (``torch.cuda.current_stream().wait_stream(s)``) before dropping the last view.
+  copy queued on the GPU (``.to("cuda:1", non_blocking=True)``, on any device): its release records
+  an event on the releasing thread's current stream of every device with a context, and a thread
+  (``tsl-slot-release``) gives the slot back once they completed (copies to ``device=`` record
+  theirs after the copy, on their device). Work queued on other streams is not covered: whoever
+  copies on a stream of their own makes the current stream wait for it
+  (``torch.cuda.current_stream().wait_stream(s)``) before dropping the last view.
+- **Devices.** Every call runs on a device that already has a context (the trainer's), chosen by
+  the GPU path: the threads it starts (release, ring reaper, a loader's receiving thread) never
+  call the GPU on their own current device (0), which would create a context there: under DDP,
+  every rank would hold one on GPU 0.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import mmap
 import os
@@ -34,6 +40,7 @@ import resource
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from .._proc import after_fork_in_child
@@ -55,12 +62,26 @@ class Event(Protocol):
 
 
 class Accelerator(Protocol):
-    """What the GPU path needs from a device runtime (``cuda.CudaAccelerator`` is the real one)."""
+    """What the GPU path needs from a device runtime (``cuda.CudaAccelerator`` is the real one).
+
+    Calls run on the calling thread's current device, which creates a context there if it had
+    none: the GPU path makes each call inside ``on_device`` of a device that has one (the
+    trainer's), never on the current device of a thread of its own (0, for a fresh thread).
+    """
 
     name: str
 
-    def in_use(self) -> bool:
-        """This process uses the accelerator now (registration is attempted only then)."""
+    def devices_in_use(self) -> list[int]:
+        """The devices with a context in this process, ascending (asking creates none)."""
+
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+
+    def device_count(self) -> int:
+        """How many devices this process sees."""
+
+    def on_device(self, index: int) -> AbstractContextManager:
+        """Inside, the calling thread's current device is ``index``."""
 
     def register(self, address: int, size: int) -> None:
         """Page-lock ``size`` bytes at ``address`` in place; raise ``PinRefused`` if refused."""
@@ -71,7 +92,7 @@ class Accelerator(Protocol):
         """Whether the framework reports memory at ``address`` as pinned (checked once)."""
 
     def record_event(self) -> Event:
-        """An event after the work queued so far on the calling thread's current stream."""
+        """An event after the work queued so far on the current device's current stream."""
 
     def handles(self, device: Any) -> bool:
         """Whether ``device=`` datasets may target ``device`` (a ``torch.device``)."""
@@ -79,12 +100,16 @@ class Accelerator(Protocol):
     def stage(self, device: Any) -> Any:
         """A context manager for one sample's copies to ``device``, issued on a side stream: its
         value has ``copy(host_u8, path)`` (one copy of a 1-D uint8 array; raises
-        ``SampleTooLargeForDeviceError``), ``move(cpu_tensor)``, ``owned`` (what it allocated) and,
-        after the block, ``event`` (recorded after the copies)."""
+        ``SampleTooLargeForDeviceError``), ``move(cpu_tensor)``, ``owned`` (what it allocated),
+        ``device`` and ``index`` (where they go) and, after the block, ``event`` (recorded after
+        the copies, on that device)."""
 
-    def consume(self, owned: list, event: Any, device: Any) -> None:
-        """On the consumer's thread: its current stream waits for ``event``; ``owned`` memory is
-        not reused before the work that stream queues next is done."""
+    def current_stream(self, device: Any) -> Any:
+        """The calling thread's current stream on ``device``: ``wait_event(event)`` makes the
+        work it queues next wait for ``event``."""
+
+    def record_stream(self, tensor: Any, stream: Any) -> None:
+        """``tensor``'s memory is not reused before the work queued on ``stream`` so far is done."""
 
 
 # --------------------------------------------------------------------------- the process's state
@@ -95,7 +120,7 @@ class _State:
         self.resolved = backend is not None
         self.disabled = os.environ.get(ENV_PIN, "").strip().lower() in ("0", "false", "no", "off")
         self.checked = False  # the first registration was checked against the framework's view
-        self.registered: dict[int, int] = {}  # address -> bytes
+        self.registered: dict[int, tuple[int, int]] = {}  # address -> (bytes, the device it was registered on)
         self.releases = ReleaseQueue()
 
 
@@ -142,13 +167,18 @@ def use(backend: Accelerator | None) -> Accelerator | None:
 
 def pinned_bytes() -> int:
     """Bytes of shared memory currently registered with the accelerator in this process."""
-    return sum(_state.registered.values())
+    return sum(n for n, _ in _state.registered.values())
 
 
 # ------------------------------------------------------------------------------ registration
 def pin(ring: Any) -> bool | None:
     """Register ``ring`` (a receiver's mapped ring: ``mm``, ``address``, ``nbytes``) if this process
-    uses the accelerator: True once registered, False if it never will be, None to ask again later."""
+    uses the accelerator: True once registered, False if it never will be, None to ask again later.
+
+    Registered on the calling thread's current device if it has a context, else on the first device
+    that has one (the trainer's: the calling thread may be one of the library's, whose current
+    device is 0). Registered memory is page-locked for every device; the device is the context the
+    call runs in, and is kept to unregister the ring in the same one."""
     st = _state
     if st.disabled:
         return False
@@ -157,30 +187,37 @@ def pin(ring: Any) -> bool | None:
     backend = accelerator()
     if backend is None:
         return False
-    if not backend.in_use():
+    devices = backend.devices_in_use()
+    if not devices:
         return None  # the process may start using it later: the next reference asks again
+    current = backend.current_device()
+    device = current if current in devices else devices[0]
     try:
         ring.mm.madvise(_MADV_POPULATE_WRITE)  # fault every page in now, in one call
     except (OSError, ValueError):
         pass  # an older kernel: registration faults them in itself
     try:
-        backend.register(ring.address, ring.nbytes)
+        with backend.on_device(device):
+            backend.register(ring.address, ring.nbytes)
     except PinRefused as exc:
         _refused(st, ring.nbytes, str(exc))
         return False
     with st.lock:
-        st.registered[ring.address] = ring.nbytes
+        st.registered[ring.address] = (ring.nbytes, device)
         first = not st.checked
         st.checked = True
-    if first and not backend.sees_pinned(ring.address + ring.nbytes // 2):
-        _unregister(st, backend, ring.address)
-        st.disabled = True
-        _warn(
-            f"{backend.name} accepted a shared-memory ring, but torch does not report it as pinned "
-            "(is_pinned() is False): this torch checks pinned memory another way. Slots are not pinned "
-            f"in this process (copies to the GPU go through torch's pin thread); set {ENV_PIN}=0 to not try"
-        )
-        return False
+    if first:
+        with backend.on_device(device):
+            seen = backend.sees_pinned(ring.address + ring.nbytes // 2)
+        if not seen:
+            _unregister(st, backend, ring.address)
+            st.disabled = True
+            _warn(
+                f"{backend.name} accepted a shared-memory ring, but torch does not report it as pinned "
+                "(is_pinned() is False): this torch checks pinned memory another way. Slots are not pinned "
+                f"in this process (copies to the GPU go through torch's pin thread); set {ENV_PIN}=0 to not try"
+            )
+            return False
     return True
 
 
@@ -193,10 +230,14 @@ def unpin(ring: Any) -> None:
 
 
 def _unregister(st: _State, backend: Accelerator, address: int) -> None:
+    """Unregister ``address`` in the context it was registered in (on whichever thread calls it)."""
     with st.lock:
-        st.registered.pop(address, None)
+        entry = st.registered.pop(address, None)
+    if entry is None:
+        return
     try:
-        backend.unregister(address)
+        with backend.on_device(entry[1]):
+            backend.unregister(address)
     except PinRefused as exc:  # the memory stays locked until the process exits; nothing else breaks
         logger.warning("could not unregister a shared-memory ring from %s: %s", backend.name, exc)
 
@@ -207,10 +248,13 @@ def _refused(st: _State, nbytes: int, why: str) -> None:
     limit = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)
     _warn(
         f"could not page-lock a shared-memory ring of {_human(nbytes)} in place for copies to the GPU "
-        f"({why}); RLIMIT_MEMLOCK (ulimit -l) is {limit}. Samples reach the GPU the slower way (torch's "
-        "pin thread copies them into pinned memory; device= copies pageable memory). To fix: raise the "
-        "limit (ulimit -l unlimited; docker run --ulimit memlock=-1; a Kubernetes pod with IPC_LOCK), "
-        f"or set {ENV_PIN}=0 to not try"
+        f"({why}). The NVIDIA driver locks the pages without charging RLIMIT_MEMLOCK; what refuses it is "
+        "usually the memory it would lock (free RAM, the container's or cgroup's memory limit: shared "
+        "memory counts against it), or a platform that cannot register host memory (WSL, some virtual "
+        f"GPUs); ulimit -l ({limit} here) matters only where another driver charges it. Samples reach the "
+        "GPU the slower way (torch's pin thread copies them into pinned memory; device= copies pageable "
+        "memory). To fix: lock less (a lower max_shm_bytes or slots_per_worker), give the machine or "
+        f"container more memory, or set {ENV_PIN}=0 to not try"
     )
 
 
@@ -224,35 +268,48 @@ def _warn(message: str) -> None:
 
 
 # --------------------------------------------------------------------------- deferred release
-def defer(callback: Callable[[], None], event: Event | None = None) -> None:
-    """Run ``callback`` once ``event`` completed (default: an event recorded now on the current stream)."""
+def defer(callback: Callable[[], None], event: Event | None = None, device: int | None = None) -> None:
+    """Run ``callback`` once the GPU is past the copies that may read a slot: ``event`` (recorded on
+    ``device``), or by default the work queued so far on the current stream of every device with a
+    context: a slot's views may have been copied to any of them (to cuda:1 while cuda:0 is current)."""
     st = _state
     backend = st.backend
-    if event is None:
-        if backend is None:
-            callback()
-            return
+    if backend is None:
+        callback()
+        return
+    if event is not None:
+        events = [(device, event)]
+    else:
         try:
-            event = backend.record_event()
+            events = []
+            for d in backend.devices_in_use():
+                with backend.on_device(d):
+                    events.append((d, backend.record_event()))
         except Exception as exc:  # noqa: BLE001 - the runtime is going away (interpreter exit) or broken
             logger.debug("releasing at once, no event could be recorded: %s", exc)
+            events = []
+        if not events:
             callback()
             return
-    st.releases.put(event, callback)
+    st.releases.put(backend, events, callback)
 
 
 class ReleaseQueue:
-    """Callbacks waiting for their events, run in order by a thread that exits when idle."""
+    """Callbacks waiting for their events, run in order by a thread that exits when idle.
+
+    The thread waits for each event on the event's device (a fresh thread's current device is 0:
+    waiting there would create a context on a device the trainer may not use)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._pending: collections.deque = collections.deque()
-        self._busy = False  # the thread holds one it took from _pending
+        self._current: tuple | None = None  # the one the thread took from _pending (kept reachable: see fork)
         self._thread: threading.Thread | None = None
 
-    def put(self, event: Event, callback: Callable[[], None]) -> None:
+    def put(self, backend: Accelerator, events: list[tuple[int | None, Event]], callback: Callable[[], None]) -> None:
+        """Run ``callback`` once each ``(device, event)`` of ``events`` completed."""
         with self._cond:
-            self._pending.append((event, callback))
+            self._pending.append((backend, events, callback))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tsl-slot-release", daemon=True)
                 self._thread.start()
@@ -262,7 +319,7 @@ class ReleaseQueue:
     def pending(self) -> int:
         """Callbacks not run yet."""
         with self._cond:
-            return len(self._pending) + self._busy
+            return len(self._pending) + (self._current is not None)
 
     def _run(self) -> None:
         while True:
@@ -273,33 +330,42 @@ class ReleaseQueue:
                         self._thread = None
                         self._cond.notify_all()
                         return
-                event, callback = self._pending.popleft()
-                self._busy = True
-            try:
-                event.synchronize()  # sleeps until the GPU is there (the GIL is released meanwhile)
-            except Exception as exc:  # noqa: BLE001 - a failed event: the device is gone with what it was copying
-                logger.warning("a slot's copy event failed (%s); releasing the slot", exc)
+                item = self._current = self._pending.popleft()
+            backend, events, callback = item
+            for device, event in events:
+                try:
+                    with backend.on_device(device) if device is not None else contextlib.nullcontext():
+                        event.synchronize()  # sleeps until the GPU is there (the GIL is released meanwhile)
+                except Exception as exc:  # noqa: BLE001 - a failed event: the device is gone with what it was copying
+                    logger.warning("a slot's copy event failed (%s); releasing the slot", exc)
             try:
                 callback()
             except Exception:
                 logger.exception("releasing a slot failed")
             finally:
+                del backend, events, callback
                 with self._cond:
-                    self._busy = False
+                    self._current = None
                     self._cond.notify_all()
+                del item  # the events are destroyed here, outside the lock (each on its own device)
 
     def drain(self) -> None:
         """Wait until every callback queued so far has run."""
         with self._cond:
-            while self._pending or self._busy:
+            while self._pending or self._current is not None:
                 self._cond.wait(0.1)
 
 
 _state = _State()
+_inherited: list[_State] = []  # in a forked child: the parent's states, never freed (see below)
 
 
 @after_fork_in_child
 def _start_clean_in_child() -> None:
     # Registrations and pending events belong to the parent's CUDA context; a child starts clean.
+    # The parent's state is kept, never freed: a deliberate leak, one per fork, of memory the child
+    # shares copy-on-write. Freeing it would run the destructors of its pending events (and of the
+    # one being waited for) in the child, CUDA calls in a forked child of a CUDA process, which fail.
     global _state
+    _inherited.append(_state)
     _state = _State()

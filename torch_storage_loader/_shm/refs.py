@@ -59,16 +59,22 @@ def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
 
 def _free(ring: _MappedRing, slot: int, generation: int) -> None:
     reg = _registry
-    with reg.lock:
+    with reg.locked():
         w = ring.words
         if w[_STATES + slot] == generation:
             w[_STATES + slot] = 0
-        ring.leases -= 1
-        if ring.leases == 0:
-            if ring.forgotten:
-                ring.close()
-            elif ring.finished():
-                reg.forget(ring)
+        reg.unlease(ring)
+
+
+def _pin(ring: _MappedRing) -> None:
+    """Register ``ring`` with the GPU, outside the registry's lock (registering may wait for the
+    device); the caller holds a lease on it, so that it is not unmapped meanwhile."""
+    pinned = None
+    try:
+        pinned = _slots.gpu.pin(ring)
+    finally:
+        with _registry.locked():
+            ring.pin, ring.pinning = pinned, False
 
 
 @dataclass
@@ -125,7 +131,7 @@ def _receive_slot(
     size = plan.header.data_size
     device = plan.opts.device
     reg = _registry
-    with reg.lock:
+    with reg.locked():
         ring = reg.rings.get(ring_uid)
         if ring is None:
             if segment is None:
@@ -139,26 +145,33 @@ def _receive_slot(
             if watch:
                 reg.watch(pid)
         ring.words[_RECEIVED] += 1
-        if ring.pin is None:
-            ring.pin = _slots.gpu.pin(ring)
-        start = CTRL + slot * ring.slot_size
-        if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
-            ring.leases += 1
-            host = np.frombuffer(ring.mm, np.uint8, size, start)
-        elif copy:
-            buf = _private(size)
-            np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
-            if ring.words[_STATES + slot] == generation:
-                ring.words[_STATES + slot] = 0
-            if ring.finished():
-                reg.forget(ring)
-        else:
-            # The lease anchor is the array that exports the slot's bytes: every leaf is a view
-            # whose base is this array (numpy collapses view chains onto it; torch.from_numpy keeps
-            # the array it was given), while intermediate memoryviews may be dropped early.
-            buf = np.frombuffer(ring.mm, np.uint8, size, start)
-            ring.leases += 1
-            weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
+        ring.leases += 1  # the receiver's, until the sample holds its own: not unmapped in between
+        pinning = ring.pin is None and not ring.pinning  # another receiver may be registering it
+        if pinning:
+            ring.pinning = True
+    try:
+        if pinning:
+            _pin(ring)
+        with reg.locked():
+            start = CTRL + slot * ring.slot_size
+            if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
+                ring.leases += 1
+                host = np.frombuffer(ring.mm, np.uint8, size, start)
+            elif copy:
+                buf = _private(size)
+                np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
+                if ring.words[_STATES + slot] == generation:
+                    ring.words[_STATES + slot] = 0
+            else:
+                # The lease anchor is the array that exports the slot's bytes: every leaf is a view
+                # whose base is this array (numpy collapses view chains onto it; torch.from_numpy keeps
+                # the array it was given), while intermediate memoryviews may be dropped early.
+                buf = np.frombuffer(ring.mm, np.uint8, size, start)
+                ring.leases += 1
+                weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
+    finally:
+        with reg.locked():
+            reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
     if device is not None:
         return _slots.gpu.deliver(plan, host, path, device, functools.partial(_free, ring, slot, generation))
     return plan.build(buf, path)

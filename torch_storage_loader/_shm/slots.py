@@ -24,12 +24,13 @@ lies above this package: receiving reaches it through ``gpu``, which it sets whe
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import selectors
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -162,7 +163,8 @@ class SlotRing:
 class _MappedRing:
     """Receiver side: one mapping of a worker's ring.
 
-    ``pin``: registered with the accelerator (True), never to be (False), not asked yet (None).
+    ``pin``: registered with the accelerator (True), never to be (False), not asked yet (None);
+    ``pinning`` while one receiver registers it (outside the registry's lock, holding a lease).
     Unmapped by ``close`` once forgotten and no lease is left: unregistered first.
     """
 
@@ -175,6 +177,7 @@ class _MappedRing:
         "nbytes",
         "owner_pid",
         "pin",
+        "pinning",
         "slot_size",
         "uid",
         "words",
@@ -194,6 +197,7 @@ class _MappedRing:
         self.words = memoryview(self.mm)[:CTRL].cast("q")
         self.leases = 0
         self.pin: bool | None = None
+        self.pinning = False
         self.address = np.frombuffer(self.mm, np.uint8, 1).ctypes.data
         self.nbytes = len(self.mm)
         self.forgotten = False
@@ -203,7 +207,8 @@ class _MappedRing:
         return self.leases == 0 and w[_RETIRED] == 1 and w[_RECEIVED] >= w[_SENT]
 
     def close(self) -> None:
-        """Unregister, then unmap (no lease is left: nothing views the mapping)."""
+        """Unregister, then unmap (no lease is left: nothing views the mapping). Not under the
+        registry's lock: unregistering may wait for the device (``_Registry.locked``)."""
         if self.pin:
             self.pin = False
             gpu.unpin(self)
@@ -215,15 +220,38 @@ class _MappedRing:
 
 
 class _Registry:
-    """The rings mapped in this process, by uid, and a thread that forgets those of exited workers."""
+    """The rings mapped in this process, by uid, and a thread that forgets those of exited workers.
+
+    Used inside ``locked()``; page-locking calls (which may wait for the device) are made outside
+    it: a ring to close is queued (``closing``) and closed once the lock is let go, and a ring is
+    registered by a receiver holding a lease on it (``refs``), so that none is unmapped before it
+    is unregistered, nor registered once unmapped.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()  # lease finalizers may run inside a locked section (GC)
+        self.depth = 0  # locked() sections the lock's holder is in
+        self.closing: list[_MappedRing] = []  # forgotten, no lease left: closed once the lock is let go
         self.rings: dict[str, _MappedRing] = {}
         self.watched: dict[int, int] = {}  # owner pid -> pidfd
         self.wake: WakePipe | None = None
         self.reaper: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The registry, locked; the rings it let go meanwhile are closed after (outermost section)."""
+        closing: list[_MappedRing] = []
+        with self.lock:
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    closing, self.closing = self.closing, []
+        for ring in closing:
+            ring.close()
 
     def forget(self, ring: _MappedRing) -> None:
         if self.rings.get(ring.uid) is ring:
@@ -231,7 +259,16 @@ class _Registry:
         if not ring.forgotten:
             ring.forgotten = True
             if ring.leases == 0:
-                ring.close()  # else with the last lease (refs._free)
+                self.closing.append(ring)  # else with the last lease (unlease)
+
+    def unlease(self, ring: _MappedRing) -> None:
+        """A lease on ``ring`` ends: the last one of a forgotten ring closes it."""
+        ring.leases -= 1
+        if ring.leases == 0:
+            if ring.forgotten:
+                self.closing.append(ring)
+            elif ring.finished():
+                self.forget(ring)
 
     def forget_owner(self, pid: int) -> None:
         for ring in [r for r in self.rings.values() if r.owner_pid == pid]:
@@ -261,7 +298,7 @@ class _Registry:
             sel.register(wake.fileno(), selectors.EVENT_READ, None)
             registered: dict[int, int] = {}
             while True:
-                with self.lock:
+                with self.locked():
                     for pid, fd in self.watched.items():
                         if pid not in registered:
                             sel.register(fd, selectors.EVENT_READ, pid)
@@ -275,7 +312,7 @@ class _Registry:
                         continue
                     pid = key.data
                     sel.unregister(key.fd)
-                    with self.lock:
+                    with self.locked():
                         del registered[pid]
                         os.close(self.watched.pop(pid))
                         self.forget_owner(pid)
@@ -296,7 +333,7 @@ def _new_registry_in_child() -> None:
 def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:
     """Forget mapped rings (of one worker, or all); leased slots keep their memory until dropped."""
     reg = _registry
-    with reg.lock:
+    with reg.locked():
         for ring in list(reg.rings.values()):
             if owner_pid is not None and ring.owner_pid != owner_pid:
                 continue

@@ -3,6 +3,11 @@ host memory and whose copies happen when their event completes, as a DMA queued 
 
 It keeps a log of registrations (checking, when a range is unregistered, that it is still mapped),
 and its events complete at once (``auto=True``) or when the test says so (``complete_all``).
+
+``pin_thread=True``: ``device=`` copies are issued on the DataLoader's pin-memory thread, as with
+CUDA. torch starts that thread only where it sees an accelerator: ``torch_sees_an_accelerator``
+makes this CPU-only torch see one (its public ``torch.accelerator`` answers), so that torch's own
+pin loop runs, and unpickles the workers' results, as on a GPU machine.
 """
 
 from __future__ import annotations
@@ -78,12 +83,18 @@ class FakeGPU:
     """``_pinning.Accelerator`` over host memory; ``device="cpu"`` datasets use it."""
 
     name = "the emulated GPU"
-    pin_thread = False
 
     def __init__(
-        self, *, auto: bool = True, refuse: str | None = None, sees_pinned: bool = True, capacity: int = 1 << 40
+        self,
+        *,
+        auto: bool = True,
+        refuse: str | None = None,
+        sees_pinned: bool = True,
+        capacity: int = 1 << 40,
+        pin_thread: bool = False,
     ) -> None:
         self.auto = auto
+        self.pin_thread = pin_thread
         self.refuse = refuse
         self._sees_pinned = sees_pinned
         self.capacity = capacity
@@ -160,3 +171,13 @@ class FakeGPU:
         out = torch.empty_like(t)
         self.queue_copy(t.data_ptr(), out.numpy())
         return out
+
+
+def torch_sees_an_accelerator(monkeypatch) -> None:
+    """Make torch's DataLoader start its pin-memory thread on this CPU-only machine (for ``pin_thread=True``):
+    the public ``torch.accelerator`` calls it makes answer as for one device (the host, ``cpu``)."""
+    acc = torch.accelerator
+    monkeypatch.setattr(acc, "is_available", lambda: True)
+    monkeypatch.setattr(acc, "current_accelerator", lambda check_available=False: torch.device("cpu"))
+    monkeypatch.setattr(acc, "current_device_index", lambda: 0)
+    monkeypatch.setattr(acc, "set_device_index", lambda index: None)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from _fake_gpu import FakeGPU, mapped
+from _fake_gpu import FakeGPU, mapped, torch_sees_an_accelerator
 from conftest import assert_same
 from torch.utils.data import DataLoader
 
@@ -21,11 +22,13 @@ from torch_storage_loader import (
     FileStorage,
     FileStorageLoader,
     SampleTooLargeForDeviceError,
+    ShmTransportError,
     SlotPinningWarning,
     StorageDataset,
     StorageQueue,
 )
 from torch_storage_loader._gpu import pinning as _pinning
+from torch_storage_loader._shm import slots as _slots
 
 # Python 3.12 warns at every fork of a multi-threaded process (CUDA's threads, for one): DataLoader
 # workers are forked here on purpose, and pytest.warns would re-raise that warning.
@@ -33,9 +36,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threade
 
 
 @pytest.fixture
-def gpu(request):
+def gpu(request, monkeypatch):
     marker = request.node.get_closest_marker("fake_gpu")
     fake = FakeGPU(**(marker.kwargs if marker else {}))
+    if fake.pin_thread:
+        torch_sees_an_accelerator(monkeypatch)
     before = _pinning.use(fake)
     try:
         yield fake
@@ -285,6 +290,53 @@ def test_sample_too_large_for_the_device(gpu, files, num_workers):
     it = iter(DataLoader(StorageDataset(files, device="cpu", batch_size=4), batch_size=None, num_workers=num_workers))
     with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu, which has"):
         next(it)
+    del it
+
+
+def pin_thread_running() -> bool:
+    return any(t.name.endswith("(_pin_memory_loop)") for t in threading.enumerate())
+
+
+@pytest.mark.fake_gpu(pin_thread=True)
+def test_device_copies_are_issued_on_the_pin_thread(gpu, files):
+    seen = []
+    for s in DataLoader(StorageDataset(files, device="cpu"), batch_size=None, num_workers=2):
+        assert pin_thread_running() and data_ptr(s["obs"]) in gpu.allocated
+        seen.append(int(s["id"]))
+    assert sorted(seen) == list(range(12)) and len(gpu.consumed) == 12
+
+
+@pytest.mark.parametrize(
+    "pin_thread",
+    [
+        pytest.param(True, marks=pytest.mark.fake_gpu(pin_thread=True), id="pin-thread"),
+        pytest.param(False, id="trainer"),
+    ],
+)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_sample_that_cannot_be_received_fails_on_the_trainers_thread(gpu, tmp_path, on_error, pin_thread):
+    """The trainer forgets its worker's ring (as if the worker had exited), so the worker's next
+    reference to it cannot be received: the pin-memory thread, where it is unpickled, must hand the
+    error to the trainer's thread (not die: "Pin memory thread exited unexpectedly"), and under
+    ``on_error="skip"`` the DataLoader goes on with the next samples (a fallback segment each: the
+    lost slot is never freed), counting the one it lost. The same where the trainer's thread
+    unpickles (no pin thread), where torch would lose the item and wait for it for ever."""
+    q = StorageQueue()
+    q.put(save(tmp_path, 0))
+    ds = StorageDataset(q, device="cpu", on_error=on_error, slots_per_worker=1, max_rings_per_worker=1)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    assert int(next(it)["id"]) == 0 and pin_thread_running() == pin_thread
+    _slots.retire_rings()  # the worker's ring is forgotten here: its next reference names an unknown ring
+    for i in (1, 2, 3):
+        q.put(save(tmp_path, i))
+    q.close()
+    if on_error == "raise":
+        with pytest.raises(ShmTransportError, match="is not mapped in this process"):
+            next(it)
+        assert sorted(int(s["id"]) for s in it) == [1, 2, 3]  # it goes on; the failed handle was given back
+    else:
+        assert [int(s["id"]) for s in it] == [2, 3]
+        assert ds.stats()["skipped"] == 1
     del it
 
 

@@ -340,6 +340,14 @@ def test_a_sample_that_cannot_be_received_fails_on_the_trainers_thread(gpu, tmp_
     del it
 
 
+@pytest.mark.fake_gpu(capacity=100_000)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_sample_too_large_for_the_device_skipped(gpu, files, num_workers, caplog):
+    ds = StorageDataset(files, device="cpu", batch_size=4, on_error="skip")
+    assert list(DataLoader(ds, batch_size=None, num_workers=num_workers)) == []
+    assert ds.stats()["skipped"] == 12 and "needs 256.1 KiB on cpu" in caplog.text
+
+
 def test_device_validation():
     with pytest.raises(ValueError, match="is not a device"):
         StorageDataset([], device="warp-drive")

@@ -162,7 +162,7 @@ def _undelivered(uid: str, handles: int, skip: bool, exc: BaseException) -> hook
         error.__cause__ = exc
     if not skip:
         return hooks.Undelivered(error)
-    logger.warning("skipping an item of %d handle(s) that could not be received: %s", handles, error)
+    logger.warning("skipping an item of %d handle(s) that did not reach the trainer: %s", handles, error)
     with _stats_lock:
         _stats[uid]["skipped"] += handles
     return hooks.Undelivered(None)
@@ -299,6 +299,10 @@ class Reader:
         if self.in_worker:
             handles, skip = len(group) - len(dropped), self.opts.on_error == "skip"
             return WorkerItem(self.uid, info, payload, filler, handles=handles, skip=skip)
+        if type(payload) is _device.DeviceItem and payload.error is not None and self.opts.on_error == "skip":
+            self.skipped = skipped
+            _undelivered(self.uid, len(group) - len(dropped), True, payload.error)  # its copy to the device failed
+            return SKIP
         record(self.uid, info, skipped)
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy

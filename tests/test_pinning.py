@@ -181,6 +181,30 @@ def test_device_copy_keeps_its_slot_until_done(gpu, tmp_path):
     wait_for(lambda: _pinning._state.releases.pending() == 0)
 
 
+@pytest.mark.fake_gpu(auto=False)
+def test_a_gpu_behind_the_trainer_holds_slots_within_the_budget(gpu, files):
+    """Pass-through (no ``device=``): a slot whose last view is dropped goes back only once the GPU
+    is past the work queued before the drop, however early the copy reading it was. A GPU that
+    lags (here: never done until the end) holds every slot the trainer dropped; the worker adds
+    rings (each page-locked) up to ``max_rings_per_worker`` (one more for copies), within
+    ``max_shm_bytes``, then sends samples as copies or fallback segments: bounded, and it goes on."""
+    budget = 2 << 20
+    ds = StorageDataset(files, slots_per_worker=2, max_rings_per_worker=2, max_shm_bytes=budget)
+    seen = []
+    for s in DataLoader(ds, batch_size=None, num_workers=1):
+        gpu.copy_async(s["obs"])  # what .to("cuda", non_blocking=True) does; the GPU gets to it later
+        seen.append(int(s["id"]))
+        assert _pinning.pinned_bytes() <= budget
+        del s  # dropped at once: its release waits for an event the GPU has not reached
+    assert seen == list(range(12))
+    rings = {e[1] for e in gpu.log if e[0] == "register"}
+    assert 2 <= len(rings) <= 3  # regrown while slots were held, never past max_rings_per_worker (+1)
+    stats = ds.stats()
+    assert stats["regrows"] >= 1 and stats["fallbacks"] + stats["copies"] >= 12 - 3 * 2
+    gpu.complete_all()  # the GPU catches up: every slot goes back
+    wait_for(lambda: _pinning._state.releases.pending() == 0)
+
+
 # ----------------------------------------------------------------------------------- device=
 def rich(i: int) -> dict:
     return {
@@ -346,6 +370,22 @@ def test_sample_too_large_for_the_device_skipped(gpu, files, num_workers, caplog
     ds = StorageDataset(files, device="cpu", batch_size=4, on_error="skip")
     assert list(DataLoader(ds, batch_size=None, num_workers=num_workers)) == []
     assert ds.stats()["skipped"] == 12 and "needs 256.1 KiB on cpu" in caplog.text
+
+
+def test_a_kept_leaf_keeps_its_whole_batch_on_the_device(gpu, tmp_path):
+    """device=: a batch crosses in one copy, and each tensor leaf is a view of that one buffer, so
+    keeping one small leaf (labels for an epoch-end metric) keeps the whole batch's device memory;
+    ``.clone()`` keeps only its own (docs/guides/gpu.md says so)."""
+    hs = [save(tmp_path, i, label=np.array([i], np.int64)) for i in range(8)]
+    kept, cloned = [], []
+    for b in DataLoader(StorageDataset(hs, batch_size=4, device="cpu"), batch_size=None, num_workers=1):
+        kept.append(b["label"])
+        cloned.append(b["label"].clone())
+    batch_bytes = 4 * 16 * 1024 * 4  # the batch's obs, at least
+    for k, c in zip(kept, cloned, strict=True):
+        assert k.nbytes == 4 * 8 and k.untyped_storage().nbytes() > batch_bytes  # the whole batch's buffer
+        assert data_ptr(k) in gpu.allocated
+        assert c.untyped_storage().nbytes() == c.nbytes and torch.equal(c, k)  # its own bytes only
 
 
 def test_device_validation():

@@ -18,6 +18,10 @@ What it emulates of CUDA, so that the CPU tests see what a real GPU would punish
   call that waits for the device would (a test's probe of what is locked meanwhile).
 - **Fork.** An event destroyed in a forked child (whose CUDA would fail) counts in
   ``FakeEvent.destroyed_after_fork`` of that child.
+- **Pin thread.** ``pin_thread=True``: ``device=`` copies are issued on the DataLoader's pin-memory
+  thread, as with CUDA. torch starts that thread only where it sees an accelerator:
+  ``torch_sees_an_accelerator`` makes this CPU-only torch see one (its public ``torch.accelerator``
+  answers), so that torch's own pin loop runs, and unpickles the workers' results, as on a GPU machine.
 """
 
 from __future__ import annotations
@@ -119,7 +123,6 @@ class FakeGPU:
     """``_pinning.Accelerator`` over host memory; ``device="cpu"`` (``"cpu:1"``...) datasets use it."""
 
     name = "the emulated GPU"
-    pin_thread = False
 
     def __init__(
         self,
@@ -132,11 +135,13 @@ class FakeGPU:
         sees_pinned: bool = True,
         capacity: int = 1 << 40,
         during_calls: Callable[[str], None] | None = None,
+        pin_thread: bool = False,
     ) -> None:
         self.auto = auto
         self.late = set(late) if auto else set(range(devices))
         self.devices = devices
         self.contexts = set(contexts)
+        self.pin_thread = pin_thread
         self.refuse = refuse
         self._sees_pinned = sees_pinned
         self.capacity = capacity
@@ -267,3 +272,13 @@ class FakeGPU:
         out = torch.empty_like(t)
         self.queue_copy(t.data_ptr(), out.numpy(), device)
         return out
+
+
+def torch_sees_an_accelerator(monkeypatch) -> None:
+    """Make torch's DataLoader start its pin-memory thread on this CPU-only machine (for ``pin_thread=True``):
+    the public ``torch.accelerator`` calls it makes answer as for one device (the host, ``cpu``)."""
+    acc = torch.accelerator
+    monkeypatch.setattr(acc, "is_available", lambda: True)
+    monkeypatch.setattr(acc, "current_accelerator", lambda check_available=False: torch.device("cpu"))
+    monkeypatch.setattr(acc, "current_device_index", lambda: 0)
+    monkeypatch.setattr(acc, "set_device_index", lambda index: None)

@@ -23,6 +23,7 @@ from torch_storage_loader import (
     FileStorage,
     FileStorageLoader,
     SampleTooLargeForDeviceError,
+    ShmTransportError,
     StorageDataset,
     StorageQueue,
 )
@@ -199,6 +200,81 @@ def test_device_sample_too_large(files):
         del it
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@pytest.mark.parametrize(
+    ("device", "on_error"), [("cuda", "raise"), ("cuda", "skip"), (None, "raise")], ids=["device", "skip", "pin_memory"]
+)
+def test_a_batch_that_cannot_be_received_fails_on_the_trainers_thread(tmp_path, device, on_error):
+    """Issue 33, risk 2: the trainer forgets its worker's ring, so the worker's next reference cannot be
+    received on torch's pin-memory thread (device=, or pin_memory=True): the library's error reaches
+    the trainer's thread (not "Pin memory thread exited unexpectedly"), and the DataLoader goes on."""
+    q = StorageQueue()
+    q.put(save(tmp_path, 0, n=16))
+    ds = StorageDataset(q, device=device, on_error=on_error, slots_per_worker=1, max_rings_per_worker=1)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1, pin_memory=device is None))
+    assert int(next(it)["id"]) == 0
+    _slots.retire_rings()  # its next reference names a ring this process no longer knows
+    for i in (1, 2, 3):
+        q.put(save(tmp_path, i, n=16))
+    q.close()
+    if on_error == "raise":
+        with pytest.raises(ShmTransportError, match="is not mapped in this process"):
+            next(it)
+        assert sorted(int(s["id"]) for s in it) == [1, 2, 3]  # the failed handle was given back
+    else:
+        assert [int(s["id"]) for s in it] == [2, 3] and ds.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize("dropped", ["after-the-copy", "after-the-step"])
+def test_a_pass_through_slot_goes_back_once_the_gpu_is_past_its_drop(files, dropped):
+    """Issue 33, risk 5: with pin_memory=True (no device=), a slot goes back once the GPU is past what
+    was queued when the batch's last host view was dropped: right after its copy if dropped then (the
+    slot is free while the step still runs), only after the step if the batch is held through it."""
+    from torch_storage_loader._dataloader.hooks import gpu_sleep
+
+    it = iter(DataLoader(StorageDataset(files, batch_size=4), batch_size=None, num_workers=1, pin_memory=True))
+    b = next(it)
+    assert b["obs"].is_pinned() and in_registered_ring(b["obs"].data_ptr())
+    torch.cuda.synchronize()
+    x = b["obs"].to("cuda", non_blocking=True)
+    if dropped == "after-the-copy":
+        del b
+        gc.collect()
+    gpu_sleep(GPU_SLEEP_CYCLES)  # the step's work
+    if dropped == "after-the-step":
+        del b
+        gc.collect()
+    _pinning._state.releases.drain()  # the slot went back
+    step_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert step_running == (dropped == "after-the-copy")
+    assert x.shape == (4, 256, 1024)
+    del x, it
+
+
+def test_a_kept_leaf_keeps_its_whole_batch_on_the_gpu(tmp_path):
+    """Issue 33, risk 6 (documented, docs/guides/gpu.md): a batch's tensors are views of one device
+    buffer, so a small leaf kept keeps its whole batch's memory; its ``.clone()`` keeps only its own."""
+    hs = []
+    for i in range(16):
+        hs.append(FileStorage(tmp_path / f"{i}.tsl"))
+        hs[-1].save({"obs": np.zeros((256, 1024), np.float32), "label": np.array([i], np.int64)})  # 1 MiB each
+
+    def allocated() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # the allocator frees blocks whose streams are done as it allocates
+        return torch.cuda.memory_allocated()
+
+    before = allocated()
+    ds = StorageDataset(hs, batch_size=4, device="cuda")
+    kept = [b["label"] for b in DataLoader(ds, batch_size=None, num_workers=1)]
+    assert allocated() - before >= 4 * (4 << 20)  # four batches of 4 MiB, for 32 bytes of labels
+    cloned = [k.clone() for k in kept]
+    del kept
+    assert allocated() - before < 1 << 20
+    assert sorted(int(c) for c in torch.cat(cloned)) == list(range(16))
 
 
 def test_lightning_fit_with_device(tmp_path):

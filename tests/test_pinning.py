@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from _fake_gpu import FakeEvent, FakeGPU, mapped
+from _fake_gpu import FakeEvent, FakeGPU, mapped, torch_sees_an_accelerator
 from conftest import assert_same
 from torch.utils.data import DataLoader
 
@@ -22,6 +22,7 @@ from torch_storage_loader import (
     FileStorage,
     FileStorageLoader,
     SampleTooLargeForDeviceError,
+    ShmTransportError,
     SlotPinningWarning,
     StorageDataset,
     StorageQueue,
@@ -35,9 +36,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threade
 
 
 @pytest.fixture
-def gpu(request):
+def gpu(request, monkeypatch):
     marker = request.node.get_closest_marker("fake_gpu")
     fake = FakeGPU(**(marker.kwargs if marker else {}))
+    if fake.pin_thread:
+        torch_sees_an_accelerator(monkeypatch)
     before = _pinning.use(fake)
     try:
         yield fake
@@ -180,6 +183,30 @@ def test_device_copy_keeps_its_slot_until_done(gpu, tmp_path):
     wait_for(lambda: _pinning._state.releases.pending() == 0)
 
 
+@pytest.mark.fake_gpu(auto=False)
+def test_a_gpu_behind_the_trainer_holds_slots_within_the_budget(gpu, files):
+    """Pass-through (no ``device=``): a slot whose last view is dropped goes back only once the GPU
+    is past the work queued before the drop, however early the copy reading it was. A GPU that
+    lags (here: never done until the end) holds every slot the trainer dropped; the worker adds
+    rings (each page-locked) up to ``max_rings_per_worker`` (one more for copies), within
+    ``max_shm_bytes``, then sends samples as copies or fallback segments: bounded, and it goes on."""
+    budget = 2 << 20
+    ds = StorageDataset(files, slots_per_worker=2, max_rings_per_worker=2, max_shm_bytes=budget)
+    seen = []
+    for s in DataLoader(ds, batch_size=None, num_workers=1):
+        gpu.copy_async(s["obs"])  # what .to("cuda", non_blocking=True) does; the GPU gets to it later
+        seen.append(int(s["id"]))
+        assert _pinning.pinned_bytes() <= budget
+        del s  # dropped at once: its release waits for an event the GPU has not reached
+    assert seen == list(range(12))
+    rings = {e[1] for e in gpu.log if e[0] == "register"}
+    assert 2 <= len(rings) <= 3  # regrown while slots were held, never past max_rings_per_worker (+1)
+    stats = ds.stats()
+    assert stats["regrows"] >= 1 and stats["fallbacks"] + stats["copies"] >= 12 - 3 * 2
+    gpu.complete_all()  # the GPU catches up: every slot goes back
+    wait_for(lambda: _pinning._state.releases.pending() == 0)
+
+
 # ----------------------------------------------------------------------------------- device=
 def rich(i: int) -> dict:
     return {
@@ -290,6 +317,77 @@ def test_sample_too_large_for_the_device(gpu, files, num_workers):
     with pytest.raises(SampleTooLargeForDeviceError, match=r"0000\.tsl.* needs 256\.\d KiB on cpu:0, which has"):
         next(it)
     del it
+
+
+def pin_thread_running() -> bool:
+    return any(t.name.endswith("(_pin_memory_loop)") for t in threading.enumerate())
+
+
+@pytest.mark.fake_gpu(pin_thread=True)
+def test_device_copies_are_issued_on_the_pin_thread(gpu, files):
+    seen = []
+    for s in DataLoader(StorageDataset(files, device="cpu"), batch_size=None, num_workers=2):
+        assert pin_thread_running() and data_ptr(s["obs"]) in gpu.allocated
+        seen.append(int(s["id"]))
+    assert sorted(seen) == list(range(12)) and len(gpu.consumed) == 12
+
+
+@pytest.mark.parametrize(
+    "pin_thread",
+    [
+        pytest.param(True, marks=pytest.mark.fake_gpu(pin_thread=True), id="pin-thread"),
+        pytest.param(False, id="trainer"),
+    ],
+)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_sample_that_cannot_be_received_fails_on_the_trainers_thread(gpu, tmp_path, on_error, pin_thread):
+    """The trainer forgets its worker's ring (as if the worker had exited), so the worker's next
+    reference to it cannot be received: the pin-memory thread, where it is unpickled, must hand the
+    error to the trainer's thread (not die: "Pin memory thread exited unexpectedly"), and under
+    ``on_error="skip"`` the DataLoader goes on with the next samples (a fallback segment each: the
+    lost slot is never freed), counting the one it lost. The same where the trainer's thread
+    unpickles (no pin thread), where torch would lose the item and wait for it for ever."""
+    q = StorageQueue()
+    q.put(save(tmp_path, 0))
+    ds = StorageDataset(q, device="cpu", on_error=on_error, slots_per_worker=1, max_rings_per_worker=1)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    assert int(next(it)["id"]) == 0 and pin_thread_running() == pin_thread
+    _slots.retire_rings()  # the worker's ring is forgotten here: its next reference names an unknown ring
+    for i in (1, 2, 3):
+        q.put(save(tmp_path, i))
+    q.close()
+    if on_error == "raise":
+        with pytest.raises(ShmTransportError, match="is not mapped in this process"):
+            next(it)
+        assert sorted(int(s["id"]) for s in it) == [1, 2, 3]  # it goes on; the failed handle was given back
+    else:
+        assert [int(s["id"]) for s in it] == [2, 3]
+        assert ds.stats()["skipped"] == 1
+    del it
+
+
+@pytest.mark.fake_gpu(capacity=100_000)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_sample_too_large_for_the_device_skipped(gpu, files, num_workers, caplog):
+    ds = StorageDataset(files, device="cpu", batch_size=4, on_error="skip")
+    assert list(DataLoader(ds, batch_size=None, num_workers=num_workers)) == []
+    assert ds.stats()["skipped"] == 12 and "needs 256.1 KiB on cpu" in caplog.text
+
+
+def test_a_kept_leaf_keeps_its_whole_batch_on_the_device(gpu, tmp_path):
+    """device=: a batch crosses in one copy, and each tensor leaf is a view of that one buffer, so
+    keeping one small leaf (labels for an epoch-end metric) keeps the whole batch's device memory;
+    ``.clone()`` keeps only its own (docs/guides/gpu.md says so)."""
+    hs = [save(tmp_path, i, label=np.array([i], np.int64)) for i in range(8)]
+    kept, cloned = [], []
+    for b in DataLoader(StorageDataset(hs, batch_size=4, device="cpu"), batch_size=None, num_workers=1):
+        kept.append(b["label"])
+        cloned.append(b["label"].clone())
+    batch_bytes = 4 * 16 * 1024 * 4  # the batch's obs, at least
+    for k, c in zip(kept, cloned, strict=True):
+        assert k.nbytes == 4 * 8 and k.untyped_storage().nbytes() > batch_bytes  # the whole batch's buffer
+        assert data_ptr(k) in gpu.allocated
+        assert c.untyped_storage().nbytes() == c.nbytes and torch.equal(c, k)  # its own bytes only
 
 
 def test_device_validation():

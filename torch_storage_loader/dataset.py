@@ -104,7 +104,9 @@ class StorageDataset(IterableDataset[Any]):
     current device of the process creating the DataLoader iterator. Strings, bytes and other
     non-tensor leaves stay on the host; a sample too large for the device raises
     ``SampleTooLargeForDeviceError``. Leave ``pin_memory`` off with it (it changes nothing with
-    workers, and with ``num_workers=0`` torch cannot pin device tensors).
+    workers, and with ``num_workers=0`` torch cannot pin device tensors). A batch's tensors are views
+    of one device buffer: a tensor kept beyond the step (labels for a metric) keeps the whole batch
+    on the device; keep ``.clone()`` of it instead.
 
     Args:
         source: Where the handles come from: a list (or other finite iterable) of ``Storage``
@@ -122,7 +124,8 @@ class StorageDataset(IterableDataset[Any]):
             them; None: half the size of /dev/shm. Without workers, the most private memory one
             sample may take (a file's header cannot make the trainer allocate more).
         on_error: ``"raise"`` (the default) raises a sample's load error in the trainer; ``"skip"``
-            logs it, counts it (``stats()["skipped"]``, one per file, workers' included) and goes on.
+            logs it, counts it (``stats()["skipped"]``, one per file, workers' included) and goes on;
+            so too for a batch that fails on its way into the trainer or onto ``device``.
             With ``batch_size``, a batch loses only the files that fail on their own, and comes with
             fewer samples (the batches are fixed groups of handles, as ``len()`` and resuming count
             them); it is skipped whole only where its samples cannot be stacked together or
@@ -133,7 +136,8 @@ class StorageDataset(IterableDataset[Any]):
         trusted_roots: Directories and ``proto://bucket/prefix`` URLs that handles read from the
             network may name, added to the source's own.
         device: Deliver batches on this device (``"cuda"``, ``"cuda:1"``, a ``torch.device``); None:
-            on the host, in shared memory.
+            on the host, in shared memory. Each batch's tensors are views of one device buffer:
+            keeping any of them keeps the whole batch there (``.clone()`` what you keep).
 
     Raises:
         TypeError: An option has the wrong type, or ``source`` is none of the kinds above.

@@ -55,6 +55,7 @@ from .ledger import Ledger, LedgerRef
 
 __all__ = [
     "Tracked",
+    "Undelivered",
     "collate",
     "default_collate",
     "fetch_context",
@@ -303,9 +304,12 @@ def _delivering(cls: type) -> type:
     @functools.wraps(process)
     def _process_data(self, data, worker_idx, *args, **kwargs):
         ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None:
-            ledger.delivered(worker_idx, ok=not isinstance(data, ExceptionWrapper))
+        if ledger is not None:  # (a skipped item is settled as handed: not given back to be loaded again)
+            failed = isinstance(data, ExceptionWrapper) or (type(data) is Undelivered and data.error is not None)
+            ledger.delivered(worker_idx, ok=not failed)
         out = process(self, data, worker_idx, *args, **kwargs)
+        if type(out) is Undelivered:
+            return out.settle()  # its error, raised here on the trainer's thread; or skipped (__next__ goes on)
         device = getattr(self, "_tsl_device", None)
         if device is not None:
             from .._gpu.device import arrive
@@ -315,17 +319,19 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(next_)
     def __next__(self):
-        try:
-            out = next_(self)
-        except BaseException:
+        while True:
+            try:
+                out = next_(self)
+            except BaseException:
+                ledger = getattr(self, "_tsl_ledger", None)
+                if ledger is not None:
+                    ledger.not_handed()  # processed, then the error: the trainer never got them
+                raise
             ledger = getattr(self, "_tsl_ledger", None)
             if ledger is not None:
-                ledger.not_handed()  # processed, then the error: the trainer never got them
-            raise
-        ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None:
-            ledger.handed()  # not before: until here, a dead worker's error may still be raised
-        return out
+                ledger.handed()  # not before: until here, a dead worker's error may still be raised
+            if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
+                return out
 
     # Kept here: at interpreter exit, module globals are gone before __del__ runs.
     getframe, getpid = sys._getframe, os.getpid
@@ -348,6 +354,28 @@ def _delivering(cls: type) -> type:
 
     methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
     return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})
+
+
+class Undelivered:
+    """A worker's item that failed on its way into the trainer (``items.WorkerItem``): unpickled where
+    torch unpickles it (under ``device=``, torch's pin-memory thread, where a raised error would end
+    the thread), it carries the library's ``error`` to the trainer's thread, where the iterator raises
+    it; None: skipped under ``on_error="skip"`` (logged and counted already), and the iterator goes on."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def pin_memory(self, *args: Any, **kwargs: Any) -> Undelivered:
+        return self  # the pin-memory thread hands it on as it is
+
+    def settle(self) -> Undelivered:
+        """On the trainer's thread: raise the error, or return self (skipped)."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self
 
 
 # ------------------------------------------------------------------------------ uses

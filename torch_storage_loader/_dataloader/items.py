@@ -20,9 +20,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pickle
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from .._proc import ForkSafeLock
 from .._shm.alloc import check_slot_options
 from .._shm.filling import FillInfo, LocalFiller, SlotFiller
 from .._shm.segments import default_shm_budget
+from ..errors import ShmTransportError, StorageError
 from ..storage import Storage
 from . import hooks
 
@@ -99,32 +102,70 @@ STAT_KEYS = (
 
 
 class WorkerItem:
-    """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it)."""
+    """What a DataLoader worker yields: unpickles in the trainer into the sample (and counts it).
 
-    __slots__ = ("filler", "info", "payload", "uid")
+    The payload (a reference to shared memory) travels pickled on its own, and is unpickled inside
+    ``_receive``'s ``try``: receiving it can fail (its ring forgotten, a descriptor not passed, the
+    device copy refused), and that happens wherever torch unpickles the worker's result, under
+    ``device=`` on torch's pin-memory thread, outside any ``try`` of torch's (an error there ends
+    the thread, and the trainer would see only "Pin memory thread exited unexpectedly"). So a failure
+    arrives as a ``hooks.Undelivered`` item instead: its error raised on the trainer's thread, or
+    under ``on_error="skip"`` logged, counted (``handles``) and passed over. Pickling the small
+    reference twice costs microseconds per item.
+    """
 
-    def __init__(self, uid: str | None, info: FillInfo, payload: Any, filler: SlotFiller) -> None:
+    __slots__ = ("counted", "filler", "handles", "info", "payload", "skip", "uid")
+
+    def __init__(
+        self,
+        uid: str,
+        info: FillInfo,
+        payload: Any,
+        filler: SlotFiller,
+        *,
+        handles: int = 1,
+        skip: bool = False,
+        counted: bool = True,
+    ) -> None:
         self.uid, self.info = uid, info
         self.payload, self.filler = payload, filler
+        self.handles, self.skip, self.counted = handles, skip, counted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The payload is unpickled first (it is an argument), then _receive counts it; the stats
-        # travel as plain values, cheaper to unpickle than a FillInfo.
+        # The stats travel as plain values, cheaper to unpickle than a FillInfo.
         info = self.info
-        return _receive, (
-            self.uid,
-            info.via,
-            info.nbytes,
-            info.regrew,
-            info.copied,
-            self.payload,
-        )
+        counts = (info.via, info.nbytes, info.regrew, info.copied) if self.counted else None
+        payload = bytes(ForkingPickler.dumps(self.payload))  # its segments as DupFd, as torch's queue sends them
+        return _receive, (self.uid, counts, self.handles, self.skip, payload)
 
 
-def _receive(uid: str | None, via: str, nbytes: int, regrew: bool, copied: bool, sample: Any) -> Any:
-    if uid is not None:
-        record(uid, FillInfo(via, nbytes, regrew, copied), 0)
+def _receive(uid: str, counts: tuple[str, int, bool, bool] | None, handles: int, skip: bool, payload: bytes) -> Any:
+    try:
+        sample = pickle.loads(payload)
+    except Exception as exc:  # noqa: BLE001 - any failure to receive: raised on the trainer's thread, or skipped
+        return _undelivered(uid, handles, skip, exc)
+    if type(sample) is _device.DeviceItem and sample.error is not None and skip:
+        return _undelivered(uid, handles, skip, sample.error)  # its copy to the device failed
+    if counts is not None:
+        record(uid, FillInfo(*counts), 0)
     return sample
+
+
+def _undelivered(uid: str, handles: int, skip: bool, exc: BaseException) -> hooks.Undelivered:
+    """An item that failed on its way into the trainer: the library's error, or (``skip``) logged and counted."""
+    error = exc
+    if not isinstance(exc, StorageError):
+        error = ShmTransportError(
+            f"a DataLoader worker's item could not be received in the trainer ({type(exc).__name__}: {exc}); "
+            "its worker may have exited meanwhile, or the process ran out of descriptors (ulimit -n)"
+        )
+        error.__cause__ = exc
+    if not skip:
+        return hooks.Undelivered(error)
+    logger.warning("skipping an item of %d handle(s) that did not reach the trainer: %s", handles, error)
+    with _stats_lock:
+        _stats[uid]["skipped"] += handles
+    return hooks.Undelivered(None)
 
 
 def collate_items(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any:
@@ -137,7 +178,9 @@ def collate_items(batch: list[WorkerItem], *, collate_fn_map: Any = None) -> Any
     if opts.device is None:
         return collated
     info, payload = first.filler.fill_object(collated, opts=opts, path=first.payload.path)
-    return WorkerItem(None, info, payload, first.filler)  # its samples are not counted, as without device=
+    # Its samples are not counted, as without device=; its handles are, if it cannot be received.
+    handles = sum(d.handles for d in batch)
+    return WorkerItem(first.uid, info, payload, first.filler, handles=handles, skip=first.skip, counted=False)
 
 
 @dataclass(frozen=True)
@@ -254,7 +297,12 @@ class Reader:
         if self.in_worker and self.materialize:
             return filler.materialize_here(payload)  # the DataLoader's collate_fn is the user's: give it samples
         if self.in_worker:
-            return WorkerItem(self.uid, info, payload, filler)
+            handles, skip = len(group) - len(dropped), self.opts.on_error == "skip"
+            return WorkerItem(self.uid, info, payload, filler, handles=handles, skip=skip)
+        if type(payload) is _device.DeviceItem and payload.error is not None and self.opts.on_error == "skip":
+            self.skipped = skipped
+            _undelivered(self.uid, len(group) - len(dropped), True, payload.error)  # its copy to the device failed
+            return SKIP
         record(self.uid, info, skipped)
         if type(payload) is _device.DeviceItem:
             return payload.finish()  # in the trainer's process: its stream waits for the copy

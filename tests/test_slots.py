@@ -372,3 +372,45 @@ def test_dataloader_collate_fn_receives_samples(tmp_path):
         for batch in _dataloader(StorageDataset(handles), num_workers, batch_size=4, collate_fn=pad_collate):
             seen += check_padded_batch(batch, sizes)
         assert sorted(seen) == list(range(12)), num_workers
+
+
+def test_a_forked_child_receives_through_its_own_ring_registry():
+    """``slots`` gives a forked child a new registry; receiving (``refs``) must use it, not the
+    parent's copy, whose lock another parent thread may have held at the fork (the child then hung)."""
+    import os
+    import threading
+    import time
+    import types
+
+    from torch_storage_loader._shm import refs, slots
+
+    ring = types.SimpleNamespace(pin=None, pinning=True, nbytes=4096, address=0, uid="0" * 32, device=None)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with slots._registry.locked():
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait()
+        pid = os.fork()
+        if pid == 0:  # the child: a pin's bookkeeping takes the registry's lock
+            try:
+                refs._pin(ring)
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, (
+            "the child hung on its parent's registry lock"
+        )
+    finally:
+        release.set()
+        holder.join()

@@ -21,7 +21,7 @@ from .._format.file import Header, ReadOptions
 from ..errors import ShmTransportError
 from . import slots as _slots
 from .segments import ShmSegment
-from .slots import _RECEIVED, _STATES, CTRL, _MappedRing, _registry
+from .slots import _RECEIVED, _STATES, CTRL, _MappedRing
 
 __all__ = ["BytesRef", "OneOffRef", "SlotRef", "plan_key"]
 
@@ -58,7 +58,7 @@ def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
 
 
 def _free(ring: _MappedRing, slot: int, generation: int) -> None:
-    reg = _registry
+    reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
     with reg.locked():
         w = ring.words
         if w[_STATES + slot] == generation:
@@ -73,7 +73,7 @@ def _pin(ring: _MappedRing) -> None:
     try:
         pinned = _slots.gpu.pin(ring)
     finally:
-        with _registry.locked():
+        with _slots._registry.locked():
             ring.pin, ring.pinning = pinned, False
 
 
@@ -130,7 +130,7 @@ def _receive_slot(
     plan = plan_for(key).bind(consts)
     size = plan.header.data_size
     device = plan.opts.device
-    reg = _registry
+    reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
     with reg.locked():
         ring = reg.rings.get(ring_uid)
         if ring is None:

@@ -165,3 +165,12 @@ def test_samples_that_differ_only_in_inline_values_share_one_plan(tmp_path):
     assert batches[1]["r"].tolist() == [i / 4 for i in range(8, 16)]
     assert batches[0]["ok"].dtype == torch.bool and batches[0]["big"].tolist() == list(range(8))
     assert batches[2]["big"] == [*range(16, 23), 10**20]  # past int64: a list, never an error
+
+
+def test_a_tree_leaf_past_the_header_arrays_is_a_corrupt_error():
+    """Found by test_fuzz: a treetensor tree whose leaf names an array the header does not list
+    raised IndexError from the tree check instead of our error."""
+    doc = b'{"arrays":[],"tree":["tt",["b","a"],[["tt",["c"],[["a",0]]],["a",1]]]}'
+    raw = b"TSLSTOR\x00\x01\x00\x00\x00F\x00\x00\x00\x80" + bytes(15) + doc + bytes(26)
+    with pytest.raises(StorageCorruptError, match="more arrays than the 0 its header lists"):
+        _format.parse_header(raw, "fuzz.tsl", len(raw))

@@ -121,6 +121,8 @@ def check_tree(spec: Any, arrays: Sequence[Any], path: str) -> None:
         if tag == ARRAY:
             if len(node) != 2 or type(node[1]) is not int or node[1] != leaves:
                 raise _bad_node(path, depth, f"is not array leaf {leaves} (leaves are numbered in depth-first order)")
+            if leaves >= len(arrays):
+                raise corrupt(path, f"its tree uses more arrays than the {len(arrays)} its header lists")
             if tree is not None and arrays[leaves].kind != TREES[tree]:
                 raise _bad_node(path, depth, "is an array of another kind than its treetensor tree holds")
             leaves += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -414,11 +415,43 @@ def run_script(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"example.py still ran after {timeout} s (a hang):\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}")
-    try:  # whatever the script started and left behind is a leak of the example's
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _kill_session(proc.pid)  # whatever the script started and left behind is a leak of the example's
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _session(sid: int) -> dict[int, str]:
+    """pid -> command line of each live process in session ``sid``."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session
+            out[int(pid)] = cmdline
+    return out
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL what is left of a script's session, multiprocessing's resource trackers last: a
+    tracker unlinks the named semaphores (``/dev/shm/sem.mp-*``) of the processes killed here once
+    the last of them is gone, and killed with them it would leave those files for ever."""
+    left = _session(sid)
+    for pid, cmdline in left.items():
+        if "resource_tracker" not in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (trackers := _session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in trackers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ every process exits, and the script with code 0."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -77,3 +78,34 @@ def test_streaming_road_runs_as_a_script_and_loses_nothing(tmp_path, request, na
         assert (trained, left) == (steps * BATCH_SIZE, produced - trained), match.group(0)
     else:
         assert (trained, left) == (produced, 0), match.group(0)
+
+
+HANGS_WITH_A_SEMAPHORE = """
+import multiprocessing as mp
+import sys
+import time
+
+
+def child(q):
+    lock = mp.get_context("spawn").Lock()  # named: the resource tracker unlinks it if this process dies
+    q.put(lock._semlock.name)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    spawn = mp.get_context("spawn")
+    q = spawn.Queue()
+    spawn.Process(target=child, args=(q,)).start()
+    print(q.get(), flush=True)
+    time.sleep(600)  # a hang
+"""
+
+
+def test_a_killed_example_leaves_no_semaphore_behind(tmp_path):
+    """run_script kills a hung script's session, but lets multiprocessing's resource tracker outlive
+    the rest, so that it unlinks what the killed processes left (killed with them, it left eleven
+    /dev/shm/sem.mp-* files per hung fleet example)."""
+    with pytest.raises(pytest.fail.Exception, match="a hang") as info:
+        run_script(HANGS_WITH_A_SEMAPHORE, tmp_path, timeout=20)
+    name = re.search(r"/(mp-\S+)", str(info.value)).group(1)
+    assert not os.path.exists(f"/dev/shm/sem.{name}"), f"/dev/shm/sem.{name} was left behind"

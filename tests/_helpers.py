@@ -415,14 +415,14 @@ def run_script(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
+        kill_session(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"example.py still ran after {timeout} s (a hang):\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}")
-    _kill_session(proc.pid)  # whatever the script started and left behind is a leak of the example's
+    kill_session(proc.pid)  # whatever the script started and left behind is a leak of the example's
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _session(sid: int) -> dict[int, str]:
+def session_processes(sid: int) -> dict[int, str]:
     """pid -> command line of each live process in session ``sid``."""
     out = {}
     for pid in os.listdir("/proc"):
@@ -440,17 +440,17 @@ def _session(sid: int) -> dict[int, str]:
     return out
 
 
-def _kill_session(sid: int) -> None:
+def kill_session(sid: int) -> None:
     """SIGKILL what is left of a script's session, multiprocessing's resource trackers last: a
     tracker unlinks the named semaphores (``/dev/shm/sem.mp-*``) of the processes killed here once
     the last of them is gone, and killed with them it would leave those files for ever."""
-    left = _session(sid)
+    left = session_processes(sid)
     for pid, cmdline in left.items():
         if "resource_tracker" not in cmdline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while (trackers := _session(sid)) and time.monotonic() < deadline:
+    while (trackers := session_processes(sid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in trackers:
         with contextlib.suppress(ProcessLookupError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from _helpers import KillStorage, MemoryStorage, SleepStorage, run_script
+from _helpers import KillStorage, MemoryStorage, SleepStorage, kill_session, run_script
 from conftest import START_METHODS, assert_same, traj
 
 from torch_storage_loader import (
@@ -389,13 +388,12 @@ def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGUSR1)  # every thread's stack, to stderr
             time.sleep(2)
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
             _, err = proc.communicate()
             pytest.fail(f"still running 60 s after Ctrl-C; its stacks and stderr:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:  # failed before it ended: it, its workers and its forkserver go
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
             proc.communicate()
     assert "KeyboardInterrupt" in err
     for pid in pids:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from _helpers import kill_session
 from _s3_server import fresh_s3_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import assert_same, traj
 from torch.utils.data import DataLoader
@@ -332,7 +332,7 @@ def test_workers_forked_from_a_trainer_that_uses_obstore_still_load(s3_server, s
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its hung workers too
+        kill_session(proc.pid)  # its hung workers too
         proc.communicate()
         pytest.fail("DataLoader workers forked from a process using obstore hung")
     assert proc.returncode == 0, err.decode()[-3000:]

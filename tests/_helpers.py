@@ -386,6 +386,24 @@ class TinyCounting(Tiny):
                 f.write(f"{self.trainer.num_training_batches} {self.trainer.global_step}")
 
 
+def lock_free(lock) -> bool:
+    """Whether another thread can take ``lock`` (an RLock is re-entered by its own thread)."""
+    import threading
+
+    got = []
+
+    def take():
+        ok = lock.acquire(timeout=2)
+        if ok:
+            lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got[0]
+
+
 def run_script(
     source: str, cwd, *, timeout: float = 120, env: dict | None = None, args: tuple = (), python_args: tuple = ()
 ):

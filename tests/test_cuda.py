@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from _helpers import lock_free
 from conftest import traj
 from torch.utils.data import DataLoader
 
@@ -412,23 +413,6 @@ def test_a_forked_child_leaves_the_parents_pending_events_alone():
     _pinning._state.releases.drain()
 
 
-def _lock_free(lock) -> bool:
-    import threading
-
-    got = []
-
-    def take():
-        ok = lock.acquire(timeout=2)
-        if ok:
-            lock.release()
-        got.append(ok)
-
-    t = threading.Thread(target=take)
-    t.start()
-    t.join()
-    return got[0]
-
-
 def test_page_locking_runs_outside_the_ring_registry(files, monkeypatch):
     """Risk 4: cudaHostRegister / Unregister (the real ones, called through) never hold the registry."""
     torch.empty(1, device="cuda")
@@ -438,7 +422,7 @@ def test_page_locking_runs_outside_the_ring_registry(files, monkeypatch):
     def probing(name, real):
         def probe(*args):
             calls.append(name)
-            if not _lock_free(_slots._registry.lock):
+            if not lock_free(_slots._registry.lock):
                 held.append(name)
             return real(*args)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import treetensor.torch as ttorch
 from _fake_gpu import FakeEvent, FakeGPU, mapped, torch_sees_an_accelerator
+from _helpers import lock_free
 from conftest import assert_same
 from torch.utils.data import DataLoader
 
@@ -479,22 +480,6 @@ def test_a_forked_child_never_destroys_the_parents_pending_events(gpu):
     assert code == 0, f"the forked child destroyed {code} of its parent's pending events"
     gpu.complete_all()
     _pinning._state.releases.drain()
-
-
-def lock_free(lock) -> bool:
-    """Whether another thread can take ``lock`` (an RLock is re-entered by its own thread)."""
-    got = []
-
-    def take():
-        ok = lock.acquire(timeout=2)
-        if ok:
-            lock.release()
-        got.append(ok)
-
-    t = threading.Thread(target=take)
-    t.start()
-    t.join()
-    return got[0]
 
 
 def test_page_locking_does_not_hold_the_ring_registry(gpu, files):

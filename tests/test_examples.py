@@ -109,3 +109,26 @@ def test_a_killed_example_leaves_no_semaphore_behind(tmp_path):
         run_script(HANGS_WITH_A_SEMAPHORE, tmp_path, timeout=20)
     name = re.search(r"/(mp-\S+)", str(info.value)).group(1)
     assert not os.path.exists(f"/dev/shm/sem.{name}"), f"/dev/shm/sem.{name} was left behind"
+
+
+UNGUARDED_AND_RETRIED = """
+import torch
+from torch_storage_loader import FileStorageLoader, WorkerDiedError
+
+with FileStorageLoader("samples", ttl=None, worker_num=2, mp_context="forkserver") as loader:  # no main guard
+    handle = loader.save({"obs": torch.zeros(4)})
+    failed = 0
+    while failed < 4:  # a user who retries: every load after the first failure fails too, at once
+        try:
+            loader.load_async(handle).result(timeout=60)
+        except WorkerDiedError:
+            failed += 1
+    print("failed", failed)
+"""
+
+
+def test_loads_after_an_unguarded_start_fail_without_starting_workers_again(tmp_path):
+    result = run_script(UNGUARDED_AND_RETRIED, tmp_path, timeout=120)
+    assert "failed 4" in result.stdout, result.stderr[-3000:]
+    # The two workers of the first start, and no more: each new one would run the script again.
+    assert result.stderr.count("died with exit code 87") <= 2, result.stderr[-3000:]

@@ -9,9 +9,10 @@ from . import pinning as _pinning
 
 
 def _deliver(*args: Any) -> Any:
-    from .device import deliver  # torch: imported where a sample goes to a device
+    from .device import deliver  # torch: imported where a sample first goes to a device
 
+    _slots.gpu = _slots.gpu._replace(deliver=deliver)
     return deliver(*args)
 
 
-_slots.gpu = _slots.GpuPath(_pinning.pin, _pinning.unpin, _pinning.defer, _deliver)
+_slots.gpu = _slots.GpuPath(_pinning.pin, _pinning.unpin, _pinning.defer, _deliver, _pinning.may_pin)

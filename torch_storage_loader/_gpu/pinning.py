@@ -171,6 +171,12 @@ def pinned_bytes() -> int:
 
 
 # ------------------------------------------------------------------------------ registration
+def may_pin() -> bool:
+    """Whether ``pin`` could register a ring now: what it checks before asking the driver (cheap)."""
+    st = _state
+    return not st.disabled and (st.resolved or _cuda_initialized())
+
+
 def pin(ring: Any) -> bool | None:
     """Register ``ring`` (a receiver's mapped ring: ``mm``, ``address``, ``nbytes``) if this process
     uses the accelerator: True once registered, False if it never will be, None to ask again later.

@@ -51,7 +51,7 @@ def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
     is past what the current stream has queued (``gpu.defer``)."""
     if os.getpid() != pid:
         return
-    if ring.pin:
+    if ring.pin or ring.pinning:  # being registered: a copy may already read it asynchronously
         _slots.gpu.defer(functools.partial(_free, ring, slot, generation))
     else:
         _free(ring, slot, generation)
@@ -145,36 +145,50 @@ def _receive_slot(
             if watch:
                 reg.watch(pid)
         ring.words[_RECEIVED] += 1
-        ring.leases += 1  # the receiver's, until the sample holds its own: not unmapped in between
-        pinning = ring.pin is None and not ring.pinning  # another receiver may be registering it
+        # Registering may wait for the device: it runs outside the lock, under a lease of the
+        # receiver's (not unmapped meanwhile), and only where it may happen (CUDA in use here).
+        pinning = ring.pin is None and not ring.pinning and _slots.gpu.may_pin()
         if pinning:
             ring.pinning = True
-    try:
-        if pinning:
+            ring.leases += 1
+        else:
+            view = _take(reg, ring, slot, generation, size, device, copy)
+    if pinning:
+        try:
             _pin(ring)
-        with reg.locked():
-            start = CTRL + slot * ring.slot_size
-            if device is not None:  # the slot is read by the copy, then freed (never viewed by the consumer)
-                ring.leases += 1
-                host = np.frombuffer(ring.mm, np.uint8, size, start)
-            elif copy:
-                buf = _private(size)
-                np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
-                if ring.words[_STATES + slot] == generation:
-                    ring.words[_STATES + slot] = 0
-            else:
-                # The lease anchor is the array that exports the slot's bytes: every leaf is a view
-                # whose base is this array (numpy collapses view chains onto it; torch.from_numpy keeps
-                # the array it was given), while intermediate memoryviews may be dropped early.
-                buf = np.frombuffer(ring.mm, np.uint8, size, start)
-                ring.leases += 1
-                weakref.finalize(buf, _release, ring, slot, generation, os.getpid())
-    finally:
-        with reg.locked():
-            reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
+            with reg.locked():
+                view = _take(reg, ring, slot, generation, size, device, copy)
+        finally:
+            with reg.locked():
+                reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
     if device is not None:
-        return _slots.gpu.deliver(plan, host, path, device, functools.partial(_free, ring, slot, generation))
-    return plan.build(buf, path)
+        return _slots.gpu.deliver(plan, view, path, device, functools.partial(_free, ring, slot, generation))
+    return plan.build(view, path)
+
+
+def _take(
+    reg: _slots._Registry, ring: _MappedRing, slot: int, generation: int, size: int, device: Any, copy: bool
+) -> np.ndarray:
+    """The slot's bytes for the sample, under the registry's lock: leased (a view, or the host side
+    of a device copy), or copied into private memory and the slot freed at once."""
+    start = CTRL + slot * ring.slot_size
+    if copy and device is None:
+        buf = _private(size)
+        np.copyto(buf, np.frombuffer(ring.mm, np.uint8, size, start))
+        if ring.words[_STATES + slot] == generation:
+            ring.words[_STATES + slot] = 0
+        if ring.leases == 0 and ring.finished():
+            reg.forget(ring)  # its last reference, copied
+        return buf
+    # The lease anchor is the array that exports the slot's bytes: every leaf is a view whose base
+    # is this array (numpy collapses view chains onto it; torch.from_numpy keeps the array it was
+    # given), while intermediate memoryviews may be dropped early. A device copy reads the slot,
+    # then frees it (``_free``): the consumer never views it.
+    view = np.frombuffer(ring.mm, np.uint8, size, start)
+    ring.leases += 1
+    if device is None:
+        weakref.finalize(view, _release, ring, slot, generation, os.getpid())
+    return view
 
 
 @dataclass

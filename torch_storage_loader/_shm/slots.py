@@ -24,13 +24,13 @@ lies above this package: receiving reaches it through ``gpu``, which it sets whe
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import mmap
 import os
 import selectors
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -40,6 +40,8 @@ from ..errors import ShmTransportError
 from .segments import ShmSegment
 
 __all__ = ["CTRL", "MAX_SLOTS", "GpuPath", "SlotRing", "gpu", "page_round", "retire_rings"]
+
+logger = logging.getLogger("torch_storage_loader")
 
 PAGE = mmap.PAGESIZE  # 4 KiB on x86-64; 16 or 64 KiB on many arm64 kernels (Grace Hopper among them)
 _CTRL_WORDS = 512  # identity and lifetime words, then one int64 state word per slot
@@ -59,14 +61,16 @@ class GpuPath(NamedTuple):
     unpin: Callable[[Any], None]  # a pinned ring, before it is unmapped
     defer: Callable[..., None]  # (callback, event=None): run callback once event (None: one recorded now) completed
     deliver: Callable[..., Any]  # (plan, host, path, device, release): the sample on device, release() once read
+    may_pin: Callable[[], bool]  # whether pin could register a ring now (cheap: asked for each reference)
 
 
-def _no_device(*args: Any) -> Any:
+def _no_device(plan: Any, host: Any, path: str, device: Any, release: Callable[[], None]) -> Any:
+    release()
     raise RuntimeError("a sample for device= arrived before torch_storage_loader._gpu was imported")
 
 
-# Until then: nothing is pinned (each receive asks again), so nothing is deferred or delivered.
-gpu = GpuPath(lambda ring: None, lambda ring: None, lambda callback, event=None: callback(), _no_device)
+# Until then: nothing is pinned, so nothing is deferred or delivered.
+gpu = GpuPath(lambda ring: None, lambda ring: None, lambda callback, event=None: callback(), _no_device, lambda: False)
 
 
 def page_round(n: int) -> int:
@@ -209,9 +213,8 @@ class _MappedRing:
     def close(self) -> None:
         """Unregister, then unmap (no lease is left: nothing views the mapping). Not under the
         registry's lock: unregistering may wait for the device (``_Registry.locked``)."""
-        if self.pin:
-            self.pin = False
-            gpu.unpin(self)
+        self.pin = False
+        gpu.unpin(self)  # also where pin() registered it and then failed: nothing is unmapped registered
         self.words.release()
         try:
             self.mm.close()
@@ -238,20 +241,26 @@ class _Registry:
         self.wake: WakePipe | None = None
         self.reaper: threading.Thread | None = None
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """The registry, locked; the rings it let go meanwhile are closed after (outermost section)."""
+    def locked(self) -> _Registry:
+        """The registry, locked (``with reg.locked():``); the rings it let go meanwhile are closed
+        once the outermost section ends. A plain class, not a generator: it runs for every sample."""
+        return self
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
         closing: list[_MappedRing] = []
-        with self.lock:
-            self.depth += 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
-                if self.depth == 0:
-                    closing, self.closing = self.closing, []
+        if self.depth == 0 and self.closing:
+            closing, self.closing = self.closing, []
+        self.lock.release()
         for ring in closing:
-            ring.close()
+            try:
+                ring.close()
+            except Exception:
+                logger.exception("closing shared-memory ring %s failed", ring.uid)
 
     def forget(self, ring: _MappedRing) -> None:
         if self.rings.get(ring.uid) is ring:

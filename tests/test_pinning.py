@@ -27,6 +27,7 @@ from torch_storage_loader import (
     SlotPinningWarning,
     StorageDataset,
     StorageQueue,
+    end_directory_stream,
 )
 from torch_storage_loader._gpu import pinning as _pinning
 from torch_storage_loader._shm import slots as _slots
@@ -509,3 +510,20 @@ def test_the_trainer_waits_for_each_copy_it_uses(gpu, files, num_workers):
     for s in DataLoader(ds, batch_size=None, num_workers=num_workers):
         assert torch.equal(s["obs"], torch.full((16, 1024), float(int(s["id"])))), "read before the copy"
         assert data_ptr(s["obs"]) in gpu.kept  # its memory is not reused before the trainer's work on it
+
+
+@pytest.mark.fake_gpu(capacity=100_000)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_stream_sample_skipped_on_its_way_to_the_device_fails_its_files(gpu, tmp_path, num_workers):
+    """A sample skipped after it was loaded (its copy to the device refused) is settled as a failed
+    load is: its files renamed *.failed, never acknowledged (deleted: it was never trained on) nor
+    left claimed (with no worker, the trainer's own skip settled nothing)."""
+    for i in range(8):
+        save(tmp_path, i)
+    end_directory_stream(tmp_path)
+    ds = StorageDataset(str(tmp_path), device="cpu", batch_size=4, on_error="skip")
+    assert list(DataLoader(ds, batch_size=None, num_workers=num_workers)) == []
+    assert ds.stats()["skipped"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["_END_OF_STREAM"] + [f"{i:04d}.tsl.failed" for i in range(8)]
+    )

@@ -304,9 +304,10 @@ def _delivering(cls: type) -> type:
     @functools.wraps(process)
     def _process_data(self, data, worker_idx, *args, **kwargs):
         ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None:  # (a skipped item is settled as handed: not given back to be loaded again)
-            failed = isinstance(data, ExceptionWrapper) or (type(data) is Undelivered and data.error is not None)
-            ledger.delivered(worker_idx, ok=not failed)
+        if ledger is not None:  # (a skipped item's handles fail: neither acknowledged nor loaded again)
+            undelivered = type(data) is Undelivered
+            failed = isinstance(data, ExceptionWrapper) or (undelivered and data.error is not None)
+            ledger.delivered(worker_idx, ok=not failed, skipped=undelivered and data.error is None)
         out = process(self, data, worker_idx, *args, **kwargs)
         if type(out) is Undelivered:
             return out.settle()  # its error, raised here on the trainer's thread; or skipped (__next__ goes on)

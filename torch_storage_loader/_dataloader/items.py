@@ -145,20 +145,25 @@ def _receive(uid: str, counts: tuple[str, int, bool, bool] | None, handles: int,
     except Exception as exc:  # noqa: BLE001 - any failure to receive: raised on the trainer's thread, or skipped
         return _undelivered(uid, handles, skip, exc)
     if type(sample) is _device.DeviceItem and sample.error is not None and skip:
-        return _undelivered(uid, handles, skip, sample.error)  # its copy to the device failed
+        return _undelivered(uid, handles, skip, sample.error, _NOT_COPIED)
     if counts is not None:
         record(uid, FillInfo(*counts), 0)
     return sample
 
 
-def _undelivered(uid: str, handles: int, skip: bool, exc: BaseException) -> hooks.Undelivered:
-    """An item that failed on its way into the trainer: the library's error, or (``skip``) logged and counted."""
+_NOT_RECEIVED = (
+    "a DataLoader worker's item could not be received in the trainer ({}); its worker may have exited "
+    "meanwhile, or the process ran out of descriptors (ulimit -n)"
+)
+_NOT_COPIED = "an item's copy to the device failed ({})"
+
+
+def _undelivered(uid: str, handles: int, skip: bool, exc: BaseException, why: str = _NOT_RECEIVED) -> hooks.Undelivered:
+    """An item that failed on its way into the trainer (``why``: not received, or its device copy
+    failed): the library's error, or (``skip``) logged and counted."""
     error = exc
     if not isinstance(exc, StorageError):
-        error = ShmTransportError(
-            f"a DataLoader worker's item could not be received in the trainer ({type(exc).__name__}: {exc}); "
-            "its worker may have exited meanwhile, or the process ran out of descriptors (ulimit -n)"
-        )
+        error = ShmTransportError(why.format(f"{type(exc).__name__}: {exc}"))
         error.__cause__ = exc
     if not skip:
         return hooks.Undelivered(error)
@@ -301,7 +306,9 @@ class Reader:
             return WorkerItem(self.uid, info, payload, filler, handles=handles, skip=skip)
         if type(payload) is _device.DeviceItem and payload.error is not None and self.opts.on_error == "skip":
             self.skipped = skipped
-            _undelivered(self.uid, len(group) - len(dropped), True, payload.error)  # its copy to the device failed
+            rest = [i for i in range(len(group)) if i not in dropped]
+            dropped.extend(rest)  # settled as failed by the stream, like the handles that failed to load
+            _undelivered(self.uid, len(rest), True, payload.error, _NOT_COPIED)
             return SKIP
         record(self.uid, info, skipped)
         if type(payload) is _device.DeviceItem:

@@ -197,18 +197,23 @@ class Ledger:
             if t in taken:
                 taken.remove(t)
 
-    def delivered(self, worker: int, ok: bool = True) -> None:
+    def delivered(self, worker: int, ok: bool = True, skipped: bool = False) -> None:
         """The iterator is processing worker ``worker``'s next item (``ok``: not an exception); it
-        counts as delivered once ``handed()`` says the iterator returned it."""
+        counts as delivered once ``handed()`` says the iterator returned it. ``skipped``: it failed
+        on its way into the trainer under ``on_error="skip"``: its handles fail, as a file that
+        failed to load does (never acknowledged: the trainer did not get it)."""
         with self._lock:
             self._drain()
             self._yielded[worker] += 1
             key = ItemKey(worker, self._incarnation, self._yielded[worker] - 1)
-            if ok:
+            if ok and not skipped:
                 self._handing.append(key)
                 return
-            back = self._pop([key])  # the item is an exception: what it took never reaches the trainer
-        self._settle([], back)
+            tokens = self._pop([key])  # the item is an exception: what it took never reaches the trainer
+        if skipped:
+            self.source.fail(tokens)
+        else:
+            self._settle([], tokens)
 
     def handed(self) -> None:
         """The iterator returned the items processed since the last call to the trainer's code.

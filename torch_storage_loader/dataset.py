@@ -14,6 +14,7 @@ epochs, resuming), ``_dataloader.stream`` (a stream's delivery), both loading th
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -64,6 +65,7 @@ def _configure_buckets(src: ListSource | Source, roots: _trust.Roots, storage_op
         _objects.configure_object_store(bucket, storage_options)
 
 
+# Size: about 255 lines, 95 of them the docstring users read; the logic is in _dataloader (finite, stream, items).
 class StorageDataset(IterableDataset[Any]):
     """An ``IterableDataset`` of the samples behind storage handles.
 
@@ -159,6 +161,16 @@ class StorageDataset(IterableDataset[Any]):
         [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
     """
 
+    batch_size: int | None  # the options: read-only properties (``_option``, below the class)
+    drop_last: bool
+    collate_fn: Callable[[list[Any]], Any] | None
+    slots_per_worker: int
+    max_rings_per_worker: int
+    max_shm_bytes: int | None
+    on_error: str
+    shuffle: bool
+    seed: int
+
     def __init__(
         self,
         source: Any,
@@ -187,9 +199,6 @@ class StorageDataset(IterableDataset[Any]):
         self._object_stores = _objects.snapshot()  # reaches the DataLoader workers with the dataset
         if isinstance(src, DirectorySource):
             src.check_start()  # once, here: an ended stream is refused before any worker starts
-        self.batch_size, self.drop_last, self.collate_fn, self.on_error = batch_size, drop_last, collate_fn, on_error
-        self.slots_per_worker, self.max_rings_per_worker = slots_per_worker, max_rings_per_worker
-        self.max_shm_bytes, self.shuffle, self.seed = max_shm_bytes, shuffle, seed
         if shuffle and not src.finite:
             raise ValueError("shuffle=True needs a finite source (a list of handles); a stream comes in its own order")
         self._dist: tuple[int, int] | None = None
@@ -312,3 +321,19 @@ class StorageDataset(IterableDataset[Any]):
         """For ``hooks``: the ledger the workers a DataLoader is starting write to (None once started)."""
         if self._stream is not None:
             self._stream.ledger = ref
+
+
+def _option(name: str) -> property:
+    """A read-only option, over the reader's one copy (which iteration reads): an assignment would
+    change ``len()`` and the hooks' checks, but not what is read."""
+
+    def refuse(self: StorageDataset, value: object) -> None:
+        raise AttributeError(
+            f"StorageDataset.{name} is fixed when the dataset is made: make a new StorageDataset(..., {name}={value!r})"
+        )
+
+    return property(operator.attrgetter(f"_reader.opts.{name}"), refuse)
+
+
+for _name in StorageDataset.__annotations__:  # the options declared at the class's top
+    setattr(StorageDataset, _name, _option(_name))

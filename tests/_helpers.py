@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 
 import numpy as np
@@ -473,3 +475,52 @@ def kill_session(sid: int) -> None:
     for pid in trackers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def interrupted_constantly(section, seconds: float = 1.0) -> int:
+    """Run ``section()`` over and over for ``seconds`` while another thread signals this one every
+    few microseconds and the handler raises, as torch's SIGCHLD handler raises a dead worker's error
+    wherever the trainer's thread is. Returns how many times it was interrupted."""
+    here, stop, armed = sys._getframe(), threading.Event(), [True]
+
+    def raise_(signum, frame):
+        if armed[0] and frame is not here:  # anywhere inside section(), whose error this loop catches
+            raise _Interrupt
+
+    def signaller(target: int):
+        while not stop.wait(1e-5):
+            signal.pthread_kill(target, signal.SIGUSR1)
+
+    interrupted = 0
+    old = signal.signal(signal.SIGUSR1, raise_)
+    t = threading.Thread(target=signaller, args=(threading.get_ident(),))
+    t.start()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                section()
+            except _Interrupt:
+                interrupted += 1
+    finally:
+        armed[0] = False
+        stop.set()
+        t.join()
+        signal.signal(signal.SIGUSR1, old)
+    return interrupted
+
+
+def free_for_another_thread(lock) -> bool:
+    """Whether another thread gets ``lock`` (with ``with``) within 2 s."""
+    got = threading.Event()
+
+    def take():
+        with lock:
+            got.set()
+
+    threading.Thread(target=take, daemon=True).start()  # (left blocked only where the check fails)
+    return got.wait(2)

@@ -295,7 +295,7 @@ def test_the_private_torch_scan_sees_what_it_should():
     }, scan
 
 
-# Process mechanisms written once, in the leaf _proc.py: at-fork hooks (ForkSafeLock,
+# Process mechanisms written once, in the leaf _proc.py: at-fork hooks (fork_safe_lock,
 # after_fork_in_child) and self-pipes (WakePipe). Nothing else calls these.
 PROC_HOME = "_proc.py"
 PROC_ONLY_CALLS = {"os.register_at_fork", "os.pipe"}
@@ -308,7 +308,7 @@ def test_fork_hooks_and_self_pipes_only_in_proc_which_is_a_leaf():
             if isinstance(node, ast.Call) and ast.unparse(node.func) in PROC_ONLY_CALLS:
                 callers.add((_rel(path), ast.unparse(node.func)))
     assert {rel for rel, _ in callers} == {PROC_HOME}, (
-        f"use _proc's ForkSafeLock, after_fork_in_child or WakePipe instead: {sorted(callers)}"
+        f"use _proc's fork_safe_lock, after_fork_in_child or WakePipe instead: {sorted(callers)}"
     )
     modules = _modules()
     assert not _imports("_proc", modules["_proc"], set(modules)), "_proc imports nothing from the package"

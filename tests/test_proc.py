@@ -11,7 +11,9 @@ import threading
 import time
 import warnings
 
-from torch_storage_loader._proc import ForkSafeLock, WakePipe, after_fork_in_child
+from _helpers import free_for_another_thread, interrupted_constantly
+
+from torch_storage_loader._proc import WakePipe, after_fork_in_child, fork_safe_lock
 
 
 def _in_forked_child(check, *held_by_a_thread) -> int:
@@ -57,7 +59,7 @@ def _exited_ok(status: int) -> bool:
 
 
 def test_a_fork_safe_lock_held_by_another_thread_at_fork_is_free_in_the_child():
-    lock, plain = ForkSafeLock(), threading.Lock()
+    lock, plain = fork_safe_lock(), threading.Lock()
 
     def child():
         with lock:
@@ -70,7 +72,7 @@ def test_a_fork_safe_lock_held_by_another_thread_at_fork_is_free_in_the_child():
 
 
 def test_a_fork_safe_lock_excludes_threads():
-    lock, inside, most = ForkSafeLock(), [0], [0]
+    lock, inside, most = fork_safe_lock(), [0], [0]
 
     def enter(n):
         for _ in range(n):
@@ -152,3 +154,15 @@ def test_a_wake_pipe_closes_in_a_child_forked_while_a_thread_was_waking_it():
         assert _exited_ok(_in_forked_child(child, pipe._lock))
     finally:
         pipe.close()
+
+
+def test_an_error_raised_by_a_signal_handler_never_leaves_a_fork_safe_lock_held():
+    lock = fork_safe_lock()
+
+    def section():
+        for _ in range(50):
+            with lock:
+                pass
+
+    assert interrupted_constantly(section) > 100
+    assert free_for_another_thread(lock), "a signal handler's error left the lock held: the next 'with' hangs"

@@ -388,7 +388,7 @@ def test_a_forked_child_receives_through_its_own_ring_registry():
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with slots._registry.locked():
+        with slots._registry.lock:
             held.set()
             release.wait()
 
@@ -414,3 +414,19 @@ def test_a_forked_child_receives_through_its_own_ring_registry():
     finally:
         release.set()
         holder.join()
+
+
+def test_an_error_raised_by_a_signal_handler_never_leaves_the_ring_registry_locked():
+    # torch raises a dead worker's error from its SIGCHLD handler wherever the trainer's thread is;
+    # a section of the registry it interrupts must let go of the lock (the reaper and the
+    # pin-memory thread take it too).
+    from _helpers import free_for_another_thread, interrupted_constantly
+
+    from torch_storage_loader._shm import slots
+
+    def section():
+        for _ in range(20):
+            slots.retire_rings()
+
+    assert interrupted_constantly(section) > 100
+    assert free_for_another_thread(slots._registry.lock), "a signal handler's error left the registry locked"

@@ -6,7 +6,7 @@ Claims name their trainer's pid; whoever wrote the claim may have written anythi
 parsed here, ASCII digits only and within the kernel's range, before any ``os.kill`` sees them.
 
 Forks. A thread of the parent may hold a lock when another thread forks; the child has no such
-thread, so it would wait forever on a plain ``threading.Lock``. ``ForkSafeLock`` is renewed in the
+thread, so it would wait forever on a plain ``threading.Lock``. ``fork_safe_lock`` is renewed in the
 child by one at-fork hook, and ``after_fork_in_child`` registers the hooks that do more (forget the
 parent's loaders, rings or CUDA registrations): ``os.register_at_fork`` is called here only.
 
@@ -20,10 +20,10 @@ would add a descriptor per loader worker, or take the registry's only way to wat
 
 from __future__ import annotations
 
+import _thread
 import fcntl
 import os
 import re
-import threading
 import weakref
 from collections.abc import Callable
 
@@ -75,30 +75,28 @@ def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:
     return hook
 
 
-class ForkSafeLock:
-    """A ``threading.Lock`` for ``with`` blocks, free in a child forked while another thread held it
-    (the child gets a new inner lock; what it guards is as the parent's holder left it at the fork)."""
+def fork_safe_lock() -> _thread.RLock:
+    """A lock for ``with`` blocks, free in a child forked while another thread held it (the child
+    re-initialises it; what it guards is as the parent's holder left it at the fork).
 
-    __slots__ = ("__weakref__", "_lock")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        _fork_safe_locks.add(self)
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+    The C lock itself, not a wrapper: ``with`` takes and lets go of it in C, where a signal
+    handler's error (torch raises a dead DataLoader worker's from its SIGCHLD handler, wherever the
+    trainer's thread is) cannot come between; raised between a Python ``__enter__``'s acquire and
+    its return, it would leave the lock held for ever. Reentrant: a finalizer the garbage collector
+    runs inside a section may take it again.
+    """
+    lock = _thread.RLock()
+    _fork_safe_locks.add(lock)
+    return lock
 
 
-_fork_safe_locks: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+_fork_safe_locks: weakref.WeakSet[_thread.RLock] = weakref.WeakSet()
 
 
 @after_fork_in_child
 def _renew_locks_in_child() -> None:
     for lock in list(_fork_safe_locks):
-        lock._lock = threading.Lock()
+        lock._at_fork_reinit()  # type: ignore[attr-defined]  # what CPython's threading does for its own locks in a forked child
 
 
 class WakePipe:
@@ -116,7 +114,7 @@ class WakePipe:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
-        self._lock = ForkSafeLock()
+        self._lock = fork_safe_lock()
 
     def fileno(self) -> int:
         """The read end, for ``select`` (-1 once closed)."""

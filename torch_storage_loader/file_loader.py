@@ -16,7 +16,7 @@ from typing import Any
 
 from ._format.names import new_file_name  # re-exported: file_loader.new_file_name stays
 from ._options import check_option
-from ._proc import ForkSafeLock
+from ._proc import fork_safe_lock
 from ._stores import clean as _clean
 from ._stores import objects as _objects
 from .errors import StorageError
@@ -32,7 +32,7 @@ SHUTDOWN_S = 10.0  # at most this long for shutdown's own clean-up (joining the 
 
 # Every FileStorageLoader of this process: a directory scan spares what any of them tracks or loads.
 _loaders: weakref.WeakSet[FileStorageLoader] = weakref.WeakSet()
-_loaders_lock = ForkSafeLock()
+_loaders_lock = fork_safe_lock()
 
 
 def _file_key(path: str) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from .._gpu import device as _device
 from .._options import check_option
-from .._proc import ForkSafeLock
+from .._proc import fork_safe_lock
 from .._shm.alloc import check_slot_options
 from .._shm.filling import FillInfo, LocalFiller, SlotFiller
 from .._shm.segments import default_shm_budget
@@ -45,7 +45,7 @@ logger = logging.getLogger("torch_storage_loader")
 
 SKIP = object()  # what ``Reader.load`` returns for an item skipped whole
 _stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-_stats_lock = ForkSafeLock()
+_stats_lock = fork_safe_lock()
 
 
 def record(uid: str, info: FillInfo, skipped: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._proc import ForkSafeLock
+from .._proc import fork_safe_lock
 from .._untrusted import bounded as _bounded
 from .._untrusted import trust as _trust
 from ..errors import HandleRecordError, StorageError
@@ -30,7 +30,7 @@ from .keys import FIELD, REFUSED, decode_id
 __all__ = ["decode", "decode_entries", "encode", "register_storage_type", "registered_storage_types"]
 
 
-_lock = ForkSafeLock()
+_lock = fork_safe_lock()
 _REGISTRY: dict[str, type[Storage]] = {"FileStorage": FileStorage, "ObjectStorage": ObjectStorage}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 # The exact fields of the built-in handles: name -> (allowed types, required).

@@ -59,11 +59,12 @@ def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
 
 def _free(ring: _MappedRing, slot: int, generation: int) -> None:
     reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
-    with reg.locked():
+    with reg.lock:
         w = ring.words
         if w[_STATES + slot] == generation:
             w[_STATES + slot] = 0
         reg.unlease(ring)
+    reg.close_let_go()
 
 
 def _pin(ring: _MappedRing) -> None:
@@ -73,7 +74,7 @@ def _pin(ring: _MappedRing) -> None:
     try:
         pinned = _slots.gpu.pin(ring)
     finally:
-        with _slots._registry.locked():
+        with _slots._registry.lock:
             ring.pin, ring.pinning = pinned, False
 
 
@@ -131,7 +132,7 @@ def _receive_slot(
     size = plan.header.data_size
     device = plan.opts.device
     reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
-    with reg.locked():
+    with reg.lock:
         ring = reg.rings.get(ring_uid)
         if ring is None:
             if segment is None:
@@ -156,11 +157,12 @@ def _receive_slot(
     if pinning:
         try:
             _pin(ring)
-            with reg.locked():
+            with reg.lock:
                 view = _take(reg, ring, slot, generation, size, device, copy)
         finally:
-            with reg.locked():
+            with reg.lock:
                 reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
+    reg.close_let_go()
     if device is not None:
         return _slots.gpu.deliver(plan, view, path, device, functools.partial(_free, ring, slot, generation))
     return plan.build(view, path)

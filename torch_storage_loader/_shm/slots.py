@@ -225,37 +225,32 @@ class _MappedRing:
 class _Registry:
     """The rings mapped in this process, by uid, and a thread that forgets those of exited workers.
 
-    Used inside ``locked()``; page-locking calls (which may wait for the device) are made outside
-    it: a ring to close is queued (``closing``) and closed once the lock is let go, and a ring is
-    registered by a receiver holding a lease on it (``refs``), so that none is unmapped before it
-    is unregistered, nor registered once unmapped.
+    Used under ``with reg.lock:``, the C lock itself: a signal handler's error (torch raises a dead
+    worker's from its SIGCHLD handler, wherever the trainer's thread is) raised inside a Python
+    ``__enter__`` after the acquire would leave it held for ever. Page-locking calls (which may wait
+    for the device) are made outside it: a ring let go is queued (``closing``) and closed by
+    ``close_let_go()``, called after each section; and a ring is registered by a receiver holding
+    a lease on it (``refs``), so that none is unmapped before it is unregistered, nor registered
+    once unmapped.
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()  # lease finalizers may run inside a locked section (GC)
-        self.depth = 0  # locked() sections the lock's holder is in
-        self.closing: list[_MappedRing] = []  # forgotten, no lease left: closed once the lock is let go
+        self.closing: list[_MappedRing] = []  # forgotten, no lease left: closed by close_let_go()
         self.rings: dict[str, _MappedRing] = {}
         self.watched: dict[int, int] = {}  # owner pid -> pidfd
         self.wake: WakePipe | None = None
         self.reaper: threading.Thread | None = None
 
-    def locked(self) -> _Registry:
-        """The registry, locked (``with reg.locked():``); the rings it let go meanwhile are closed
-        once the outermost section ends. A plain class, not a generator: it runs for every sample."""
-        return self
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-        self.depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.depth -= 1
-        closing: list[_MappedRing] = []
-        if self.depth == 0 and self.closing:
+    def close_let_go(self) -> None:
+        """Close the rings let go, outside the lock. Inside a section of this thread's (a lease's
+        finalizer the garbage collector ran there) it leaves them to that section's own call; one
+        skipped by an error is closed by the next call."""
+        if not self.closing or self.lock._is_owned():  # type: ignore[attr-defined]  # C RLock's, as threading.Condition uses
+            return
+        with self.lock:
             closing, self.closing = self.closing, []
-        self.lock.release()
         for ring in closing:
             try:
                 ring.close()
@@ -307,7 +302,7 @@ class _Registry:
             sel.register(wake.fileno(), selectors.EVENT_READ, None)
             registered: dict[int, int] = {}
             while True:
-                with self.locked():
+                with self.lock:
                     for pid, fd in self.watched.items():
                         if pid not in registered:
                             sel.register(fd, selectors.EVENT_READ, pid)
@@ -321,10 +316,11 @@ class _Registry:
                         continue
                     pid = key.data
                     sel.unregister(key.fd)
-                    with self.locked():
+                    with self.lock:
                         del registered[pid]
                         os.close(self.watched.pop(pid))
                         self.forget_owner(pid)
+                    self.close_let_go()
         wake.close()
 
 
@@ -342,10 +338,11 @@ def _new_registry_in_child() -> None:
 def retire_rings(owner_pid: int | None = None, *, dead_only: bool = False) -> None:
     """Forget mapped rings (of one worker, or all); leased slots keep their memory until dropped."""
     reg = _registry
-    with reg.locked():
+    with reg.lock:
         for ring in list(reg.rings.values()):
             if owner_pid is not None and ring.owner_pid != owner_pid:
                 continue
             if dead_only and pid_alive(ring.owner_pid):
                 continue
             reg.forget(ring)
+    reg.close_let_go()

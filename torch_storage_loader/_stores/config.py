@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._optional import require
-from .._proc import ForkSafeLock
+from .._proc import fork_safe_lock
 
 __all__ = [
     "Config",
@@ -35,7 +35,7 @@ class Config(NamedTuple):
         return f"Config(storage_options=<{len(self.storage_options)} options>, retry_timeout={self.retry_timeout})"
 
 
-_lock = ForkSafeLock()
+_lock = fork_safe_lock()
 _config: dict[str, Config] = {}  # "proto://bucket", "proto" or "*" -> Config
 
 

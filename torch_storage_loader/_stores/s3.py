@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._proc import ForkSafeLock, after_fork_in_child
+from .._proc import after_fork_in_child, fork_safe_lock
 
 if TYPE_CHECKING:
     from obstore import GetOptions
@@ -48,7 +48,7 @@ _S3_IGNORED = {
     "use_ssl",
 }
 
-_lock = ForkSafeLock()
+_lock = fork_safe_lock()
 _stores: dict[tuple[int, str, str], Any] = {}  # (pid, "proto://bucket", options) -> obstore store
 
 # obstore's runtime does not survive fork: a forked child of a process that used it hangs in it.

@@ -400,3 +400,53 @@ def test_an_iterator_alive_at_interpreter_exit_shuts_down_quietly(handles):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "0"
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+KILLED_MID_FEED = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import numpy as np
+from torch.utils.data import DataLoader
+from _helpers import MemoryStorage
+from torch_storage_loader import StorageDataset, StorageQueue
+
+if __name__ == "__main__":
+    q = StorageQueue()
+    for i in range(2000):  # about 60 KB pickled each: one request of 128 is 7.7 MB, fed through 1 MB pipes
+        q.put(MemoryStorage({{"x": np.full(15000, i, np.float32)}}))
+    q.close()
+    dl = DataLoader(StorageDataset(q, batch_size=64), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    for k, _ in enumerate(dl):
+        if k == 2:
+            print("ready", flush=True)
+"""
+
+
+def test_workers_of_a_trainer_killed_mid_feed_exit(tmp_path):
+    # A worker reading a message its trainer had written only part of when it was killed must see
+    # the feed end (EOF), not wait for the rest for ever: forked workers must not hold the
+    # trainer's write ends of the feeds (their own, or each other's).
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(KILLED_MID_FEED.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n", proc.stderr.read().decode()[-3000:]
+        time.sleep(0.2)  # feeding: requests of 7.7 MB cross the pipes a megabyte at a time
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            left = {p: c for p, c in _helpers.session_processes(proc.pid).items() if "resource_tracker" not in c}
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, f"the killed trainer's workers still run 30 s later: {left}"
+    finally:
+        _helpers.kill_session(proc.pid)
+        proc.stdout.close()
+        proc.stderr.close()

@@ -29,12 +29,14 @@ import logging
 import multiprocessing.connection as mp_connection
 import os
 import secrets
+import select
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from .._proc import WakePipe
+from .._proc import WakePipe, after_fork_in_child
 from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
@@ -89,6 +91,7 @@ class Ledger:
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
+        self._fds = [r.fileno() for r in self._readers]
         self._eof: set[int] = set()  # readers whose workers are gone (closed only by close())
         self.writers: list[Any] = [w for _, w in pipes]
         self._taken: dict[ItemKey, list[Any]] = {}  # -> the tokens taken for it
@@ -106,6 +109,7 @@ class Ledger:
             feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
             self._feeds = [r for r, _ in feeds]
             self._feeder = Feeder(source, [w for _, w in feeds], most=most)
+        _ledgers.add(self)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
 
@@ -165,14 +169,20 @@ class Ledger:
         return False
 
     def _drain(self) -> None:
-        for i, reader in enumerate(self._readers):
-            if i in self._eof:
-                continue
-            try:
-                while reader.poll():
-                    self._note(i, reader.recv())
-            except (EOFError, OSError):
-                self._eof.add(i)
+        """Note every message the workers' pipes hold now. One ``select`` a round for all of them:
+        the trainer's thread drains on every item, and ``Connection.poll`` builds a selector each call."""
+        live = {fd: i for i, fd in enumerate(self._fds) if i not in self._eof}
+        while live:
+            ready = select.select(list(live), [], [], 0)[0]
+            if not ready:
+                return
+            for fd in ready:
+                i = live[fd]
+                try:
+                    self._note(i, self._readers[i].recv())
+                except (EOFError, OSError):
+                    self._eof.add(i)
+                    del live[fd]
 
     def _note(self, worker: int, msg: Any) -> None:
         """Record one message of a worker's pipe; one that is not an ``Entry`` is logged and ignored."""
@@ -314,6 +324,20 @@ class Ledger:
             self.source.ack(ack)
         if back:
             self.source.give_back(back)
+
+
+_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+@after_fork_in_child
+def _close_trainer_ends_in_child() -> None:
+    # A worker forked from the trainer holds copies of the trainer's ends of every worker's pipes,
+    # its own included: once the trainer is killed, its feed would never end (a message the trainer
+    # had half written would be waited for for ever) and its reports would fill a pipe no one reads.
+    for ledger in list(_ledgers):
+        for conn in [*ledger._readers, *(ledger._feeder._feeds if ledger._feeder is not None else ())]:
+            conn.close()
+    _ledgers.clear()
 
 
 class LedgerWriter:

@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import select
-import struct
 import threading
 import time
 import weakref
@@ -22,12 +21,11 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._proc import WakePipe, pid_alive
+from ._proc import WakePipe, frame, pid_alive
 from .errors import StorageError
 
 __all__ = ["Channel"]
 
-_FRAME = struct.Struct("!i")  # the length prefix multiprocessing.connection.Connection.recv_bytes reads
 _CHUNK = 1 << 16
 
 
@@ -115,12 +113,12 @@ class Channel:
 
     def send(self, data: bytes) -> None:
         """Send one frame (bytes the readers take whole); returns once it is in the inbox pipe."""
-        frame = memoryview(_FRAME.pack(len(data)) + data)
+        rest = memoryview(frame(data))
         fd = self.inbox.fileno()
         with self.wlock:
-            while frame:
+            while rest:
                 try:
-                    frame = frame[os.write(fd, frame) :]
+                    rest = rest[os.write(fd, rest) :]
                 except BlockingIOError:
                     # The owner's relay reads this pipe as fast as it fills; waiting means it is
                     # busy, or gone.

@@ -24,6 +24,7 @@ import _thread
 import fcntl
 import os
 import re
+import struct
 import weakref
 from collections.abc import Callable
 
@@ -141,3 +142,10 @@ class WakePipe:
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+
+def frame(data: bytes | memoryview) -> bytes:
+    """``data`` framed as ``multiprocessing.connection.Connection.send_bytes`` frames it (its length,
+    4 bytes; or -1 and 8), for ``recv_bytes`` (or ``recv``) at the other end of a pipe written raw."""
+    n = len(data)
+    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data

@@ -37,13 +37,12 @@ import logging
 import os
 import pickletools
 import queue as _queue
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._proc import pid_alive, raise_pipe
+from .._proc import frame, pid_alive, raise_pipe
 from ..errors import StorageError
 from ..storage import Storage
 
@@ -171,7 +170,7 @@ class Feeder:
             if stopped:
                 self.source.give_back(burst)
                 return False
-            self._out[worker] += _frame(ForkingPickler.dumps((FED, burst)))
+            self._out[worker] += frame(ForkingPickler.dumps((FED, burst)))
         if last is not None:
             self._finish(incarnation, last)
         return True
@@ -215,9 +214,9 @@ class Feeder:
             data = ForkingPickler.dumps(msg)
         except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
             data = ForkingPickler.dumps((ERROR, RuntimeError(f"taking from the source failed: {msg[1]!r}"), msg[2]))
-        frame = _frame(data)
+        framed = frame(data)
         for out in self._out:
-            out += frame
+            out += framed
 
     def _flush(self) -> bool:
         """Write to each feed what its pipe takes now; True while some feed has more to write."""
@@ -230,12 +229,6 @@ class Feeder:
             except OSError:
                 out.clear()  # no worker reads this pipe any more, or the feed is closed: nothing to tell
         return any(self._out)
-
-
-def _frame(data: bytes | memoryview) -> bytes:
-    """``data`` framed as ``Connection.send_bytes`` frames it (its length, 4 bytes; or -1 and 8), for ``recv``."""
-    n = len(data)
-    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data
 
 
 class FeedReader:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing.connection as mp_connection
 import os
 import secrets
 import select
@@ -91,7 +90,14 @@ class Ledger:
         self.id = secrets.token_hex(8)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
-        self._fds = [r.fileno() for r in self._readers]
+        self._worker_of = {r.fileno(): i for i, r in enumerate(self._readers)}
+        # poll, not select (no FD_SETSIZE), registered once (mp_connection.wait builds a selector per
+        # call): one for _drain (under the lock), one for the thread's wait (the thread's alone).
+        self._ready, self._waiting = select.poll(), select.poll()
+        for fd in self._worker_of:
+            self._ready.register(fd, select.POLLIN)
+            self._waiting.register(fd, select.POLLIN)
+        self._waiting_on = set(self._worker_of)
         self._eof: set[int] = set()  # readers whose workers are gone (closed only by close())
         self.writers: list[Any] = [w for _, w in pipes]
         self._taken: dict[ItemKey, list[Any]] = {}  # -> the tokens taken for it
@@ -100,6 +106,7 @@ class Ledger:
         self._closed = False
         self._lock = threading.Lock()
         self._wake = WakePipe()  # b"a": acknowledgements to send; b"x": stop
+        self._waiting.register(self._wake.fileno(), select.POLLIN)
         self._acks: list[Any] = []  # delivered, to acknowledge from the thread (sources with slow acks)
         self._ack_behind = bool(source.ack_in_background)
         self._keep_every = source.keep_alive_every
@@ -144,10 +151,12 @@ class Ledger:
         """One round: wait, drain the pipes, send what is due; True once the ledger is closed."""
         timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
         with self._lock:
-            live = [r for i, r in enumerate(self._readers) if i not in self._eof]
-        wake = self._wake.fileno()
-        ready = mp_connection.wait([*live, wake], timeout)
-        if wake in ready and b"x" in self._wake.drain():
+            gone = {fd for fd in self._waiting_on if self._worker_of[fd] in self._eof}
+        for fd in gone:  # (a pipe at its end would wake every poll)
+            self._waiting.unregister(fd)
+            self._waiting_on.discard(fd)
+        ready = self._waiting.poll(None if timeout is None else timeout * 1000)
+        if any(fd == self._wake.fileno() for fd, _ in ready) and b"x" in self._wake.drain():
             return True
         with self._lock:
             if self._closed:
@@ -169,20 +178,16 @@ class Ledger:
         return False
 
     def _drain(self) -> None:
-        """Note every message the workers' pipes hold now. One ``select`` a round for all of them:
-        the trainer's thread drains on every item, and ``Connection.poll`` builds a selector each call."""
-        live = {fd: i for i, fd in enumerate(self._fds) if i not in self._eof}
-        while live:
-            ready = select.select(list(live), [], [], 0)[0]
-            if not ready:
-                return
-            for fd in ready:
-                i = live[fd]
+        """Note every message the workers' pipes hold now (under the lock): the trainer's thread
+        drains on every item, so it costs one ``poll`` when nothing is there."""
+        while ready := self._ready.poll(0):
+            for fd, _ in ready:  # POLLIN, or POLLHUP once the worker is gone
+                i = self._worker_of[fd]
                 try:
                     self._note(i, self._readers[i].recv())
                 except (EOFError, OSError):
                     self._eof.add(i)
-                    del live[fd]
+                    self._ready.unregister(fd)
 
     def _note(self, worker: int, msg: Any) -> None:
         """Record one message of a worker's pipe; one that is not an ``Entry`` is logged and ignored."""
@@ -234,7 +239,8 @@ class Ledger:
             keys, self._handing = self._handing, []
             if not keys:
                 return
-            self._drain()
+            # No drain: what a worker wrote for an item (its takes, its drops) was in the pipe
+            # before the item was sent, so delivered() had it; what came since is for later items.
             if self.confirm:
                 self._unconfirmed.extend(keys)
                 # Lightning holds at most two (the batch it trains, the one fetched ahead); more means
@@ -259,7 +265,6 @@ class Ledger:
         with self._lock:
             if not self._unconfirmed:
                 return
-            self._drain()
             ack = self._pop([self._unconfirmed.popleft()])
         self._settle(ack, [])
 

@@ -70,44 +70,37 @@ class Stream:
 
     def _items(self, writer: LedgerWriter | None, shard: int, shards: int, family: str) -> Iterator[Any]:
         size, per_item = self.reader.opts.batch_size or 1, self.reader.per_item
-        fed = writer if writer is not None and writer.feed is not None else None
-        # A fed source: the trainer takes, and feeds (see feed) one DataLoader item's worth at a time.
-        pairs = fed.fed(size * per_item) if fed is not None else self.source.iterate(shard, shards, family=family)
+        if writer is not None and writer.feed is not None:  # the trainer takes, and feeds (see feed)
+            pairs = writer.fed(size * per_item)  # one DataLoader item's worth at a time
+        else:
+            pairs = self.source.iterate(shard, shards, family=family)
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[tuple[Any, Storage]] = []
-        unreported: list[Any] = []  # fed: read, not yet told to the ledger (the trainer's feeder has them as given)
         try:
             for token, storage in pairs:
                 group.append((token, storage))
-                if fed is not None:
-                    # Told once per group, before it loads: what the trainer gave is known to it
-                    # until told, so one message per group loses nothing if this worker dies.
-                    unreported.append(token)
-                elif writer is not None:
-                    # Each as it is taken: a worker that waits for the rest of its group (a slow
-                    # stream) must not hold handles the trainer cannot see (a claimed file).
+                if writer is not None:
+                    # Each as it is read, never once per group: a worker that waits for the rest of
+                    # its group (a slow stream) must not hold handles the trainer cannot see (a
+                    # claimed file); and a group left half read (persistent workers start a new
+                    # iteration when the trainer stops early) must be told under its own iteration,
+                    # or a fed worker's untold handles would be taken for the ones it tells next.
                     writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
-                if fed is not None and unreported:
-                    fed.took(made // per_item, unreported)
-                    unreported = []
                 self._report_refusals()
                 item = self._load(group, writer, made // per_item)
                 group = []
                 if item is not SKIP:
                     made += 1
                     yield item
-            if fed is not None and unreported:  # a last, short group, kept or dropped
-                fed.took(made // per_item, unreported)
-                unreported = []
             if group and not self.reader.opts.drop_last:
                 item = self._load(group, writer, made // per_item)
                 group = []
                 if item is not SKIP:
                     yield item
         finally:
-            pairs.close()  # type: ignore[union-attr]  # a stream's pairs come from a generator
+            pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
             if group and writer is None:
                 self.source.give_back(
                     [t for t, _ in group]

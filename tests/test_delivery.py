@@ -108,6 +108,21 @@ def test_dataset_side_batches_from_a_queue_loses_nothing(tmp_path):
     assert q.get(timeout=5) is None, "a delivered handle was given back to the queue"
 
 
+def test_dataset_side_batches_from_a_queue_with_persistent_workers_stopped_early_lose_nothing(tmp_path):
+    # Each early stop leaves a worker's batch half read; its next iteration must not mix those
+    # handles up with the ones it reads next (lost, or delivered twice).
+    q = StorageQueue()
+    for s in _save_all(tmp_path / "files"):
+        q.put(s)
+    q.close()
+    dl = DataLoader(
+        StorageDataset(q, batch_size=3), batch_size=None, num_workers=2, persistent_workers=True, timeout=60
+    )
+    got = _stop_early_then_drain(dl, take=7)
+    del dl
+    assert sorted(got) == list(range(N)), "a handle was lost or delivered twice"
+
+
 def test_directory_stopped_early_ten_times_loses_nothing(tmp_path):
     d = str(tmp_path / "dir")
     _save_all(d)

@@ -82,9 +82,9 @@ class Stream:
                 if writer is not None:
                     # Each as it is read, never once per group: a worker that waits for the rest of
                     # its group (a slow stream) must not hold handles the trainer cannot see (a
-                    # claimed file); and a group left half read (persistent workers start a new
-                    # iteration when the trainer stops early) must be told under its own iteration,
-                    # or a fed worker's untold handles would be taken for the ones it tells next.
+                    # claimed file); and a fed worker's feeder settles what it is told against what
+                    # it gave, oldest first, so no handle read may go untold (a group cut short by
+                    # the feed's error, with persistent workers, would shift every later one).
                     writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue

@@ -91,8 +91,7 @@ class Ledger:
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         self._readers: list[Any] = [r for r, _ in pipes]
         self._worker_of = {r.fileno(): i for i, r in enumerate(self._readers)}
-        # poll, not select (no FD_SETSIZE), registered once (mp_connection.wait builds a selector per
-        # call): one for _drain (under the lock), one for the thread's wait (the thread's alone).
+        # Registered once (Connection.poll builds a selector a call): _ready for _drain, _waiting the thread's.
         self._ready, self._waiting = select.poll(), select.poll()
         for fd in self._worker_of:
             self._ready.register(fd, select.POLLIN)
@@ -150,11 +149,9 @@ class Ledger:
     def _step(self, next_keep: float) -> bool:
         """One round: wait, drain the pipes, send what is due; True once the ledger is closed."""
         timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
-        with self._lock:
-            gone = {fd for fd in self._waiting_on if self._worker_of[fd] in self._eof}
-        for fd in gone:  # (a pipe at its end would wake every poll)
-            self._waiting.unregister(fd)
-            self._waiting_on.discard(fd)
+        for fd in [fd for fd in self._waiting_on if self._worker_of[fd] in self._eof]:  # (_eof only grows)
+            self._waiting.unregister(fd)  # a pipe at its end would wake every poll
+            self._waiting_on.remove(fd)
         ready = self._waiting.poll(None if timeout is None else timeout * 1000)
         if any(fd == self._wake.fileno() for fd, _ in ready) and b"x" in self._wake.drain():
             return True
@@ -178,8 +175,7 @@ class Ledger:
         return False
 
     def _drain(self) -> None:
-        """Note every message the workers' pipes hold now (under the lock): the trainer's thread
-        drains on every item, so it costs one ``poll`` when nothing is there."""
+        """Note every message the workers' pipes hold now (under the lock; one ``poll`` if none)."""
         while ready := self._ready.poll(0):
             for fd, _ in ready:  # POLLIN, or POLLHUP once the worker is gone
                 i = self._worker_of[fd]
@@ -239,8 +235,7 @@ class Ledger:
             keys, self._handing = self._handing, []
             if not keys:
                 return
-            # No drain: what a worker wrote for an item (its takes, its drops) was in the pipe
-            # before the item was sent, so delivered() had it; what came since is for later items.
+            # No drain: a worker wrote an item's takes and drops before the item; delivered() read them.
             if self.confirm:
                 self._unconfirmed.extend(keys)
                 # Lightning holds at most two (the batch it trains, the one fetched ahead); more means

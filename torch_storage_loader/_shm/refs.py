@@ -132,37 +132,39 @@ def _receive_slot(
     size = plan.header.data_size
     device = plan.opts.device
     reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
-    with reg.lock:
-        ring = reg.rings.get(ring_uid)
-        if ring is None:
-            if segment is None:
-                raise ShmTransportError(
-                    f"shared-memory ring {ring_uid} of process {pid} is not mapped in this process (its "
-                    "worker exited, or the reference was sent to another process than the loader's)",
-                    ring=ring_uid,
-                    pid=pid,
-                )
-            ring = reg.rings[ring_uid] = _MappedRing(ring_uid, segment, slot_size, pid)
-            if watch:
-                reg.watch(pid)
-        ring.words[_RECEIVED] += 1
-        # Registering may wait for the device: it runs outside the lock, under a lease of the
-        # receiver's (not unmapped meanwhile), and only where it may happen (CUDA in use here).
-        pinning = ring.pin is None and not ring.pinning and _slots.gpu.may_pin()
-        if pinning:
-            ring.pinning = True
-            ring.leases += 1
-        else:
-            view = _take(reg, ring, slot, generation, size, device, copy)
-    if pinning:
-        try:
-            _pin(ring)
-            with reg.lock:
+    try:  # (what a section let go is closed even where it raised)
+        with reg.lock:
+            ring = reg.rings.get(ring_uid)
+            if ring is None:
+                if segment is None:
+                    raise ShmTransportError(
+                        f"shared-memory ring {ring_uid} of process {pid} is not mapped in this process (its "
+                        "worker exited, or the reference was sent to another process than the loader's)",
+                        ring=ring_uid,
+                        pid=pid,
+                    )
+                ring = reg.rings[ring_uid] = _MappedRing(ring_uid, segment, slot_size, pid)
+                if watch:
+                    reg.watch(pid)
+            ring.words[_RECEIVED] += 1
+            # Registering may wait for the device: it runs outside the lock, under a lease of the
+            # receiver's (not unmapped meanwhile), and only where it may happen (CUDA in use here).
+            pinning = ring.pin is None and not ring.pinning and _slots.gpu.may_pin()
+            if pinning:
+                ring.pinning = True
+                ring.leases += 1
+            else:
                 view = _take(reg, ring, slot, generation, size, device, copy)
-        finally:
-            with reg.lock:
-                reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
-    reg.close_let_go()
+        if pinning:
+            try:
+                _pin(ring)
+                with reg.lock:
+                    view = _take(reg, ring, slot, generation, size, device, copy)
+            finally:
+                with reg.lock:
+                    reg.unlease(ring)  # (the last reference of a retired ring, copied: it is forgotten here)
+    finally:
+        reg.close_let_go()
     if device is not None:
         return _slots.gpu.deliver(plan, view, path, device, functools.partial(_free, ring, slot, generation))
     return plan.build(view, path)

@@ -310,6 +310,7 @@ class _Registry:
                     if not self.watched:
                         self.reaper = self.wake = None
                         break
+                self.close_let_go()  # a lease's finalizer the garbage collector ran in that section
                 for key, _ in sel.select():
                     if key.data is None:
                         wake.drain()

@@ -92,3 +92,35 @@ def test_an_ended_stream_with_files_saved_before_its_marker_drains(tmp_path):
     time.sleep(0.05)
     end_directory_stream(tmp_path)  # rewritten: newer than every file it ends
     assert _ids(tmp_path) == [2, 3]
+
+
+def test_a_directory_stream_never_ends_before_files_saved_before_its_end_marker(tmp_path):
+    # The race a whole-suite run hit (197 of 200 delivered): a consumer lists the directory, the
+    # producer then saves its last files and ends the stream, and the consumer sees the marker. Its
+    # listing missed those files, and it stopped: the marker must be read before the listing.
+    from torch_storage_loader import FileStorage, end_directory_stream
+    from torch_storage_loader._sources.directory import DirectorySource
+
+    def save(i: int) -> None:
+        FileStorage(tmp_path / f"{i:04d}.tsl").save(traj(i, n=2))
+
+    class ProducerFinishesRightAfterTheListing(DirectorySource):
+        raced = False
+
+        def _names(self):
+            names = super()._names()
+            if not self.raced and not any(n.endswith(".tsl") for n in names):
+                self.raced = True  # the directory was listed: the producer's last files and the end land now
+                for i in (2, 3):
+                    save(i)
+                end_directory_stream(tmp_path)
+            return names
+
+    for i in (0, 1):
+        save(i)
+    source = ProducerFinishesRightAfterTheListing(tmp_path, poll_interval=0.01)
+    got = []
+    for token, handle in source.iterate(0, 1):
+        got.append(int(handle.load()["info"]["id"]))
+        source.ack([token])
+    assert got == [0, 1, 2, 3]

@@ -136,9 +136,12 @@ class DirectorySource:
         return claim_loop(self, shard, num_shards, family)
 
     def _scan(self) -> Scan:
+        # The marker first: producers write it after their files, so once it is seen, a listing made
+        # after holds them all (read after the listing, it could end the stream before the last files).
+        ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))
         names = self._names()
         unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".") and n not in self._refused]
-        return Scan(os.path.exists(os.path.join(self.path, END_OF_STREAM)), unclaimed, names)
+        return Scan(ended, unclaimed, names)
 
     def check_start(self) -> None:
         """Refuse to start consuming a stream that ended before this consumer came.

@@ -110,6 +110,9 @@ class PrefixSource(DirectorySource, for_urls=True):
 
     def _scan(self) -> Scan:
         entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
+        if END_OF_STREAM in entries:  # a listing is no snapshot: one made after the marker was seen has
+            # every file saved before it (this one may have passed their names before they landed)
+            entries = {e.url.rsplit("/", 1)[-1]: e for e in _objects.listing(self.path)}
         unclaimed = [
             e
             for name, e in sorted(entries.items())

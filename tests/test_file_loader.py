@@ -88,7 +88,9 @@ def test_files_expire_after_their_ttl_but_not_while_their_load_is_queued(tmp_sto
         assert not future.done() and os.path.exists(pinned.path)  # expired, but its load is queued
         blocker.result(timeout=60)
         assert_same(traj(2), future.result(timeout=60))
-        wait_until(lambda: not os.path.exists(pinned.path), "a loaded, expired file was not deleted")
+        # (the cleaner counts a file once it deleted it: wait for the count, not only the file)
+        wait_until(lambda: loader.stats().expired == 2, "a loaded, expired file was not deleted")
+        assert not os.path.exists(pinned.path)
         stats = loader.stats()
     assert stats.expired == 2 and stats.expired_unloaded == 1 and stats.errors == 0
 

@@ -97,9 +97,7 @@ class DirectorySource:
     ) -> None:
         if poll_interval <= 0:
             raise ValueError(f"{poll_interval=} must be > 0")
-        self.path = os.fspath(path)
-        self.delete_after_load = delete_after_load
-        self.poll_interval = poll_interval
+        self.path, self.delete_after_load, self.poll_interval = os.fspath(path), delete_after_load, poll_interval
         self.refused = 0  # names refused in this process, each counted once
         self._refused: set[str] = set()
 
@@ -136,9 +134,7 @@ class DirectorySource:
         return claim_loop(self, shard, num_shards, family)
 
     def _scan(self) -> Scan:
-        # The marker first: producers write it after their files, so once it is seen, a listing made
-        # after holds them all (read after the listing, it could end the stream before the last files).
-        ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))
+        ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))  # first: written after the files
         names = self._names()
         unclaimed = [n for n in names if n.endswith(SUFFIX) and not n.startswith(".") and n not in self._refused]
         return Scan(ended, unclaimed, names)

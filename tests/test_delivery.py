@@ -228,6 +228,30 @@ def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
     assert sorted(got) == list(range(6))
 
 
+def test_a_batch_cut_short_by_the_feeds_error_goes_back_under_persistent_workers(tmp_path):
+    """A fed worker tells the trainer what it read once per batch; the feed's error mid-batch (a handle
+    refused) still tells what the half batch read, so those handles go back, and the next epoch of
+    the same workers neither loses them nor takes the ones it reads next for them."""
+    small = _save_all(tmp_path / "files", n=40)
+    q = StorageQueue()
+    for s in [*small[:14], _helpers.MemoryStorage(np.zeros(1 << 20), tag="huge"), *small[14:]]:
+        q.put(s)
+    q.close()
+    dl = DataLoader(
+        StorageDataset(q, batch_size=4), batch_size=None, num_workers=1, persistent_workers=True, timeout=60
+    )
+    got: list[int] = []
+    with pytest.raises(TypeError, match="too large to feed"):
+        for item in dl:
+            got += _ids(item)
+    assert len(got) < 14, "the batch the error cut short was delivered"
+    for item in dl:
+        got += _ids(item)
+    del dl
+    gc.collect()
+    assert sorted(got) == list(range(40)), "a handle was lost or delivered twice"
+
+
 def test_requests_larger_than_a_feed_pipe_arrive_whole(tmp_path):
     """A worker may ask for more than its feed's pipe holds (here 32 handles of 40 KB, through 64 KiB):
     the trainer writes what the pipe takes and the rest as the worker reads, never waiting on it, and

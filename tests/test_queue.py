@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
 import time
@@ -42,6 +43,30 @@ def test_producers_exit_with_their_handles_unread(method):
     q.close()
     names = [s.path for s in q]
     assert sorted(names) == [f"sample-{i:06d}.tsl" for i in range(6000)]
+
+
+def _put_paths(q: StorageQueue, paths: list[str]) -> None:
+    for path in paths:
+        q.put(FileStorage(path))
+
+
+def test_handles_taken_many_at_a_time_arrive_whole_once_in_order():
+    """A consumer asking for many handles (a trainer feeding its workers) takes every whole frame
+    that is there in one read: handles of every size, some larger than what one read looks at, some
+    half written by the owner's thread when read, all arrive whole, once, in the order they were put."""
+    sizes = [1, 100, 70_000, 5, 30_000, 65_530, 3, 200_000] * 10 + [10] * 500
+    paths = [f"{i:05d}-" + "x" * n for i, n in enumerate(sizes)]
+    q = StorageQueue()
+    producer = mp.get_context("fork").Process(target=_put_paths, args=(q, paths))
+    producer.start()
+    got: list[str] = []
+    while (taken := q._take(64, 30)) is not None:
+        assert 1 <= len(taken) <= 64
+        got += [pickle.loads(data).path for data in taken]
+        if len(got) == len(paths):
+            q.close()
+    producer.join(60)
+    assert got == paths
 
 
 def test_a_full_queue_releases_its_producers_when_closed():

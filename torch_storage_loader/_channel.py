@@ -3,9 +3,14 @@
 A ``multiprocessing.Queue`` cannot hold more than its pipe does: a writer's feeder thread writes
 what does not fit as the pipe is read, and the writer cannot exit before that. Here the owner runs
 one thread, ``tsl-queue``, that moves bytes from the writers' pipe into memory and on into the
-readers' pipe as they read: a ``send`` returns once its frame is in the owner's hands, and what was
+readers' socket as they read: a ``send`` returns once its frame is in the owner's hands, and what was
 sent stays there as long as the owner lives. The thread copies bytes (whole frames, written under
 one lock, read whole): it never looks inside them.
+
+The readers' end is a socket, not a pipe, so that a reader can look at what is there without taking
+it (``MSG_PEEK``) and take as many whole frames as it wants in one read: a trainer feeding its
+workers takes dozens of small handles at a time, and a read per frame cost more than the rest of
+the handle's way.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import select
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -27,6 +34,8 @@ from .errors import StorageError
 __all__ = ["Channel"]
 
 _CHUNK = 1 << 16
+PEEK = 1 << 16  # the most a reader looks at for whole frames at once
+_LEN = struct.Struct("!i")  # a frame's length, or -1 and 8 bytes more (see _proc.frame)
 
 
 class _Relay:
@@ -93,7 +102,7 @@ class Channel:
     def __init__(self, ctx: mp.context.BaseContext) -> None:
         self.owner = os.getpid()
         inbox_r, self.inbox = ctx.Pipe(duplex=False)
-        self.outbox, outbox_w = ctx.Pipe(duplex=False)
+        self.outbox, outbox_w = ctx.Pipe(duplex=True)  # a socket pair: readers peek (see the module)
         os.set_blocking(self.inbox.fileno(), False)  # a writer waits in select(), watching the owner
         self.wlock = ctx.Lock()  # one writer writes a frame at a time
         self.rlock = ctx.Lock()  # one reader reads a frame at a time
@@ -141,17 +150,53 @@ class Channel:
                 raise _queue.Empty
             # A frame is there: wait for the lock (another consumer may be reading it), briefly.
             if self.rlock.acquire(timeout=0.05):
-                out: list[bytes] = []
                 try:
-                    while len(out) < most and outbox.poll(0):
-                        out.append(outbox.recv_bytes())
+                    out = self._read(most)
                 except EOFError:  # no process holds the outbox's write end: the owner is gone
-                    if not out:
-                        self.check_owner()
-                        raise
+                    self.check_owner()
+                    raise
                 finally:
                     self.rlock.release()
                 if out:
                     return out
             if time.monotonic() >= deadline:
                 raise _queue.Empty
+
+    def _read(self, most: int) -> list[bytes]:
+        """Up to ``most`` whole frames that are there now, in one read where they fit in ``PEEK``
+        bytes (under the read lock); one frame read whole otherwise (a long one, or half written)."""
+        if most == 1:
+            return [self.outbox.recv_bytes()] if self.outbox.poll(0) else []
+        # A socket object over the outbox's descriptor for this read only (detached after: the
+        # Connection owns the descriptor); family, type and protocol given: no system call.
+        peeker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, self.outbox.fileno())
+        try:
+            return self._read_peeking(peeker, most)
+        finally:
+            peeker.detach()
+
+    def _read_peeking(self, peeker: socket.socket, most: int) -> list[bytes]:
+        try:
+            seen = peeker.recv(PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []  # another reader took it between the poll and the lock
+        if not seen:
+            raise EOFError
+        ends: list[int] = []
+        at = 0
+        while len(ends) < most and at + _LEN.size <= len(seen):
+            n = _LEN.unpack_from(seen, at)[0]
+            if n < 0:  # a long frame (its length in 8 more bytes): read whole, alone
+                break
+            if at + _LEN.size + n > len(seen):
+                break
+            at += _LEN.size + n
+            ends.append(at)
+        if not ends:
+            return [self.outbox.recv_bytes()] if self.outbox.poll(0) else []
+        data = peeker.recv(at, socket.MSG_WAITALL)
+        out, start = [], 0
+        for end in ends:
+            out.append(data[start + _LEN.size : end])
+            start = end
+        return out

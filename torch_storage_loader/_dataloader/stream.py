@@ -9,6 +9,7 @@ workers (``feed``). Without workers the trainer settles its handles as it loads 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Iterator
@@ -70,30 +71,39 @@ class Stream:
 
     def _items(self, writer: LedgerWriter | None, shard: int, shards: int, family: str) -> Iterator[Any]:
         size, per_item = self.reader.opts.batch_size or 1, self.reader.per_item
+        fed = writer is not None and writer.feed is not None
         if writer is not None and writer.feed is not None:  # the trainer takes, and feeds (see feed)
             pairs = writer.fed(size * per_item)  # one DataLoader item's worth at a time
         else:
             pairs = self.source.iterate(shard, shards, family=family)
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[tuple[Any, Storage]] = []
+        # Fed: read, not yet told. The trainer's feeder holds each handle it gave as given until the
+        # worker tells it, so a worker killed before telling loses nothing, and telling once per
+        # group (before it loads) is enough; but every handle read is told, whatever ends the
+        # iteration (the ``finally``): the feeder settles what it is told against what it gave,
+        # oldest first, so one left untold would shift every later one.
+        untold: list[Any] = []
         try:
             for token, storage in pairs:
                 group.append((token, storage))
-                if writer is not None:
-                    # Each as it is read, never once per group: a worker that waits for the rest of
+                if fed:
+                    untold.append(token)
+                elif writer is not None:
+                    # Each as it is taken, never once per group: a worker that waits for the rest of
                     # its group (a slow stream) must not hold handles the trainer cannot see (a
-                    # claimed file); and a fed worker's feeder settles what it is told against what
-                    # it gave, oldest first, so no handle read may go untold (a group cut short by
-                    # the feed's error, with persistent workers, would shift every later one).
+                    # claimed file).
                     writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
+                untold = self._tell(writer, made // per_item, untold)
                 self._report_refusals()
                 item = self._load(group, writer, made // per_item)
                 group = []
                 if item is not SKIP:
                     made += 1
                     yield item
+            untold = self._tell(writer, made // per_item, untold)  # a last, short group, kept or dropped
             if group and not self.reader.opts.drop_last:
                 item = self._load(group, writer, made // per_item)
                 group = []
@@ -101,11 +111,22 @@ class Stream:
                     yield item
         finally:
             pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
+            if untold:  # the feed raised mid-group: the trainer gets this worker's error next
+                with contextlib.suppress(OSError):  # the trainer is gone: nothing to tell
+                    self._tell(writer, made // per_item, untold)
             if group and writer is None:
                 self.source.give_back(
                     [t for t, _ in group]
                 )  # taken, never delivered (with a ledger, the trainer does this)
             self._report_refusals()  # those after the last sample, or with none at all
+
+    @staticmethod
+    def _tell(writer: LedgerWriter | None, item: int, tokens: list[Any]) -> list[Any]:
+        """Tell the ledger a fed worker read ``tokens`` for ``item``; returns a new empty list."""
+        if tokens:
+            assert writer is not None  # only a fed worker has untold tokens
+            writer.took(item, tokens)
+        return []
 
     def _load(self, group: list[tuple[Any, Storage]], writer: LedgerWriter | None, item: int) -> Any:
         """``group`` loaded, its tokens that failed settled as failed; without a ledger (in the trainer)

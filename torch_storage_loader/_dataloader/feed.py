@@ -8,9 +8,10 @@ and only then writes it to that worker's feed pipe. A worker asks for what its n
 (``NEED`` on its ledger pipe) when it has nothing left, so handles go to the worker the trainer is
 waiting on, never to one that may not be asked for an item again (asking ahead, before it is
 empty, let a worker that runs ahead on prefetched indices take what the trainer then waited for on
-another, with the stream open). It reads its pipe (``FeedReader``) and reports each handle to the
-ledger as it reads it (``stream``). Whatever was given and not reported is still known to the
-trainer, and goes back when the iterator stops.
+another, with the stream open). It reads its pipe (``FeedReader``) and reports what it read to the
+ledger once per DataLoader item, before loading it, and whatever ends its iteration (``stream``).
+Whatever was given and not reported is still known to the trainer, and goes back when the iterator
+stops.
 
 Those requests are the one flow control: a worker is sent only what it asked for, in the order
 workers asked, and asks again only once it has read it all. The pipe adds none: the trainer's end

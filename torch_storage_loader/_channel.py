@@ -35,6 +35,7 @@ __all__ = ["Channel"]
 
 _CHUNK = 1 << 16
 PEEK = 1 << 16  # the most a reader looks at for whole frames at once
+_FRAME_GUESS = 1024  # bytes looked at per frame asked for (a FileStorage's frame is about 150)
 _LEN = struct.Struct("!i")  # a frame's length, or -1 and 8 bytes more (see _proc.frame)
 
 
@@ -177,7 +178,7 @@ class Channel:
 
     def _read_peeking(self, peeker: socket.socket, most: int) -> list[bytes]:
         try:
-            seen = peeker.recv(PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            seen = peeker.recv(min(PEEK, most * _FRAME_GUESS), socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return []  # another reader took it between the poll and the lock
         if not seen:
@@ -194,9 +195,14 @@ class Channel:
             ends.append(at)
         if not ends:
             return [self.outbox.recv_bytes()] if self.outbox.poll(0) else []
-        data = peeker.recv(at, socket.MSG_WAITALL)
+        data = bytearray()
+        while len(data) < at:  # all there (seen, and this reader holds the lock): one read, unless a signal cuts it
+            got = peeker.recv(at - len(data))
+            if not got:
+                raise EOFError
+            data += got
         out, start = [], 0
         for end in ends:
-            out.append(data[start + _LEN.size : end])
+            out.append(bytes(data[start + _LEN.size : end]))
             start = end
         return out

@@ -51,7 +51,9 @@ GPU_SLEEP_CYCLES = 1_000_000_000  # about half a second of one kernel spinning o
 
 @pytest.fixture(autouse=True)
 def cuda_in_use():
-    torch.cuda.init()  # registration happens only in a process that uses CUDA
+    # A process that uses CUDA, as a trainer with its model on the GPU does: the library pins only on
+    # a device that has a context (it never makes one), and torch.cuda.init() makes none.
+    torch.empty(1, device="cuda")
     yield
     torch.cuda.synchronize()
     gc.collect()
@@ -363,7 +365,7 @@ assert not cudart.has_context(0), "the library made a context on cuda:0"
 def test_no_thread_of_the_library_makes_a_context_on_another_device(files):
     """Risk 1: the trainer on cuda:1 (a fresh process: this one has a context on cuda:0 already)."""
     two_gpus()
-    subprocess.run([sys.executable, "-c", _ON_DEVICE_1, *[f.path for f in files]], check=True, timeout=240)
+    subprocess.run([sys.executable, "-c", _ON_DEVICE_1, *[f.path for f in files]], check=True, timeout=120)
 
 
 def test_a_slot_copied_to_another_device_is_not_refilled_under_the_copy(tmp_path):
@@ -394,9 +396,11 @@ def test_a_forked_child_leaves_the_parents_pending_events_alone():
     """Risk 3: releases pending at a fork; the child must not call CUDA for them (nothing on its stderr)."""
     from torch_storage_loader._dataloader.hooks import gpu_sleep
 
+    _pinning.accelerator()  # the release thread's backend, as a trainer's first pinned batch sets it up
     gpu_sleep(GPU_SLEEP_CYCLES)
     for _ in range(3):
         _pinning.defer(lambda: None)  # events recorded behind the sleep: pending
+    assert _pinning._state.releases.pending() == 3, "nothing pending at the fork: the test would prove nothing"
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -124,3 +124,55 @@ def test_a_directory_stream_never_ends_before_files_saved_before_its_end_marker(
         got.append(int(handle.load()["info"]["id"]))
         source.ack([token])
     assert got == [0, 1, 2, 3]
+
+
+class _CountingDirectory:
+    """A directory source that counts the claims it lost (another consumer renamed the file first)."""
+
+    @staticmethod
+    def consume(path: str, shard: int, family: str, out) -> None:
+        from torch_storage_loader._sources.directory import DirectorySource
+
+        class Counting(DirectorySource):
+            lost = 0
+
+            def _claim(self, name, owner):
+                got = super()._claim(name, owner)
+                if got is None:
+                    Counting.lost += 1
+                return got
+
+        source = Counting(path, poll_interval=0.01)
+        names = []
+        for token, _ in source.iterate(shard, 2, family=family):
+            names.append(os.path.basename(token).split(".tsl")[0])
+            time.sleep(0.0001)  # a worker loads between claims
+        out.put((names, Counting.lost))
+
+
+def test_two_consumers_of_a_directory_rarely_lose_a_claim_to_each_other(tmp_path):
+    """Consumers start apart in the listing, then claim on through it; one that reaches the stretch
+    the other claims jumps ahead instead of losing every claim of it in lockstep (each lost half of
+    its claims before: a rename each, a request each on an object store). Every file is still
+    claimed once."""
+    import multiprocessing as mp
+
+    from torch_storage_loader import end_directory_stream
+
+    n = 2000
+    for i in range(n):
+        (tmp_path / f"{i:05d}.tsl").write_bytes(b"x")
+    end_directory_stream(tmp_path)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    family = str(os.getpid())  # one trainer's two workers: each other's claims never hold them up
+    procs = [ctx.Process(target=_CountingDirectory.consume, args=(str(tmp_path), k, family, out)) for k in (0, 1)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    names = sorted(name for got, _ in results for name in got)
+    assert names == [f"{i:05d}" for i in range(n)], "a file was claimed twice, or not at all"
+    lost = sum(lost for _, lost in results)
+    assert lost < n // 20, f"{lost} claims lost for {n} files"

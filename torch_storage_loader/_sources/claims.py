@@ -58,6 +58,9 @@ class ClaimStore(Protocol):
     def _claim(self, entry: Any, owner: Owner) -> tuple[Any, Storage] | None: ...
 
 
+JUMP_AT = 8  # 4 claims lost in a row, or about 8 of 16 (see claim_loop)
+
+
 def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "") -> Iterator[tuple[Any, Storage]]:
     """``(token, handle)`` pairs claimed for consumer ``shard`` of ``num_shards`` of trainer ``family``."""
     host = socket.gethostname()
@@ -79,7 +82,19 @@ def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "")
         if store.spread:
             start = shard * len(unclaimed) // max(1, num_shards)
             unclaimed = unclaimed[start:] + unclaimed[:start]
-        for entry in unclaimed:
-            got = store._claim(entry, me)
+        # Consumers claim from spread-out starts and then on through the list, so one that reaches
+        # the stretch another is claiming would lose its claims there, in lockstep with the other
+        # (half of all claims, for two; or every other one, both claiming the same stretch): once
+        # it lost more than it won lately, it jumps to the middle of what is left. What it skips is
+        # the other's; anything left unclaimed is in the next listing.
+        i, losing = 0, 0  # +2 a claim lost, -1 a claim won: a jump at JUMP_AT
+        while i < len(unclaimed):
+            got = store._claim(unclaimed[i], me)
+            i += 1
             if got is not None:
+                losing = max(0, losing - 1)
                 yield got
+                continue
+            losing += 2
+            if losing >= JUMP_AT:
+                i, losing = i + (len(unclaimed) - i) // 2, 0

@@ -5,10 +5,11 @@ checkout's figure, the reference it is compared with (measured in the same run: 
 ``readinto`` of the same files, the same training loop over batches already in memory, ``pickle.load``
 in the trainer, a plain ``handle.load()``), their ratio, the figure issue 32 was filed with (main at
 c0a849d, on this kind of 2-core machine) and the issue's target. ``--against DIR`` (a checkout of
-another commit: ``git worktree add /tmp/old HEAD~3``) runs every benchmark for it too, interleaved
-with this one, and adds its ratio as a column, so that a before/after comparison comes from the same
-minutes of the same machine. These machines are noisy (20% between runs of the same tree): compare
-ratios, and run it twice before believing a small step.
+another commit: ``git worktree add /tmp/old HEAD~3``) runs every benchmark for it too and adds its
+ratio (and figure) as a column: bench_small's cases interleaved with this checkout's, the others
+right after this checkout's, so that a before/after comparison comes from the same minutes of the
+same machine. These machines are noisy (20% between runs of the same tree): compare ratios, and run
+it twice before believing a small step.
 
     python benchmarks/report.py [--against DIR] [--quick] [--json-out FILE]
 

@@ -195,14 +195,14 @@ class Channel:
             ends.append(at)
         if not ends:
             return [self.outbox.recv_bytes()] if self.outbox.poll(0) else []
-        data = bytearray()
-        while len(data) < at:  # all there (seen, and this reader holds the lock): one read, unless a signal cuts it
+        data = peeker.recv(at)  # all there (seen, and this reader holds the lock): one read,
+        while len(data) < at:  # unless a signal cuts it short
             got = peeker.recv(at - len(data))
             if not got:
                 raise EOFError
             data += got
         out, start = [], 0
         for end in ends:
-            out.append(bytes(data[start + _LEN.size : end]))
+            out.append(data[start + _LEN.size : end])
             start = end
         return out

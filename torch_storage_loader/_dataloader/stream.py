@@ -72,7 +72,8 @@ class Stream:
     def _items(self, writer: LedgerWriter | None, shard: int, shards: int, family: str) -> Iterator[Any]:
         size, per_item = self.reader.opts.batch_size or 1, self.reader.per_item
         fed = writer is not None and writer.feed is not None
-        if writer is not None and writer.feed is not None:  # the trainer takes, and feeds (see feed)
+        if fed:  # the trainer takes, and feeds (see feed)
+            assert writer is not None
             pairs = writer.fed(size * per_item)  # one DataLoader item's worth at a time
         else:
             pairs = self.source.iterate(shard, shards, family=family)

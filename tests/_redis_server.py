@@ -142,12 +142,12 @@ class RedisServer:
         return _read(os.path.join(self.dir, "redis.log"))[-4000:] or "(no log)"
 
 
-def start_server(*, password: str | None = None, appendonly: bool = False) -> tuple[RedisServer, str]:
+def start_server(*, password: str | None = None, appendonly: bool = False, args: tuple = ()) -> tuple[RedisServer, str]:
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install -y redis-server)")
     directory = tempfile.mkdtemp(prefix="tsl-redis-")
     try:
-        return RedisServer(directory, password=password, appendonly=appendonly).start(), directory
+        return RedisServer(directory, password=password, appendonly=appendonly, args=args).start(), directory
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
@@ -164,7 +164,7 @@ def redis_server():
 
 @pytest.fixture
 def fresh_redis_server():
-    """A factory of servers of this test's own (``password=``, ``appendonly=``), stopped at its end."""
+    """A factory of servers of this test's own (``password=``, ``appendonly=``, ``args=``), stopped at its end."""
     made = []
 
     def make(**kwargs) -> RedisServer:

@@ -295,3 +295,43 @@ def test_an_iterator_collected_in_a_forked_worker_leaves_the_trainers_workers_an
     lines = out.stdout.splitlines()
     assert lines[0] == "worker error reached the trainer"
     assert eval(lines[1]) == [i for i in range(40) if i != 5]  # each once; the bad one raised
+
+
+# A trainer that stops early and leaves its iterator to the interpreter's exit (a module global).
+_LEFT_AT_EXIT = """import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+from torch_storage_loader import FileStorageLoader, StorageDataset, end_directory_stream
+
+if __name__ == "__main__":
+    directory = "incoming"
+    if sys.argv[1] == "save":
+        with FileStorageLoader(directory, ttl=None) as loader:
+            for i in range(40):
+                loader.save({"x": torch.full((4,), float(i))})
+    elif sys.argv[1] == "leave":
+        it = iter(DataLoader(StorageDataset(directory), batch_size=None, num_workers=2))
+        print(int(next(it)["x"][0]), flush=True)
+    else:
+        end_directory_stream(directory)
+        print(sorted(int(s["x"][0]) for s in DataLoader(StorageDataset(directory), batch_size=None, num_workers=2)))
+"""
+
+
+def test_an_iterator_left_alive_at_exit_gives_back_what_its_workers_took(tmp_path):
+    """Regression: an iterator still alive at exit was settled only when the interpreter collected it,
+    with modules half gone (its give-back failed, leaving claims for the stale-claim sweep) and the
+    ledger's daemon thread frozen, perhaps holding its lock (a trainer hung at exit in ``Ledger.close``)."""
+    from _helpers import run_script
+
+    assert run_script(_LEFT_AT_EXIT, tmp_path, args=("save",)).returncode == 0
+    left = run_script(_LEFT_AT_EXIT, tmp_path, args=("leave",), timeout=60)
+    assert left.returncode == 0, left.stderr[-3000:]
+    assert "could not" not in left.stderr and "Exception ignored" not in left.stderr, left.stderr[-3000:]
+    first = int(left.stdout.split()[0])
+    assert not [n for n in os.listdir(tmp_path / "incoming") if ".claimed" in n], "claims were left behind"
+    rest = run_script(_LEFT_AT_EXIT, tmp_path, args=("rest",))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert eval(rest.stdout) == [i for i in range(40) if i != first]  # each once, the delivered one not again

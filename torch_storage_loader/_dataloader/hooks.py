@@ -34,6 +34,7 @@ Size: about 440 lines (290 of code), because every private torch touch lives her
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -41,6 +42,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -230,6 +232,24 @@ def _check_batching(loader: Any) -> None:
     )
 
 
+# Iterators with a ledger, for _shut_down_at_exit (registered after torch's own exit handlers, so it runs
+# before them: torch still stops its workers then).
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """Shut down, as if deleted, each delivering iterator still alive at interpreter exit (a global, or
+    one in a reference cycle). Later, torch no longer stops workers, modules are half gone and the
+    ledger's daemon thread is frozen with whatever lock it held: what the workers took could not go back."""
+    for it in list(_live):
+        if getattr(it, "_tsl_pid", None) == os.getpid():
+            try:
+                it._shutdown_workers()
+            except Exception:  # one iterator's failure must not stop the others'
+                logger.exception("could not shut a DataLoader iterator down at exit")
+
+
 def _open(loader: Any) -> Ledger | None:
     ds: Tracked = loader.dataset
     source = ds._tsl_delivery_source()
@@ -293,6 +313,8 @@ def _delivering(cls: type) -> type:
             if ledger is not None:
                 loader.dataset._tsl_attach_ledger(None)
                 ledger.started()
+        if ledger is not None:
+            _live.add(self)
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):

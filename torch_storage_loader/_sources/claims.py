@@ -8,6 +8,7 @@ another live trainer. A ``ClaimStore`` says how one kind of storage lists, claim
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -69,11 +70,14 @@ def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "")
         scan = store._scan()
         if not scan.unclaimed:
             claims = store._claims_in(scan)
-            dead = [c for c in claims if c.host == host and not trainer_alive(c.family, c.pid)]
+            # Once per trainer and scan, not per claim: a waiting consumer lists every poll_interval,
+            # and the claims in flight (hundreds) are a handful of trainers' (a /proc read each).
+            alive = functools.cache(trainer_alive)
+            dead = [c for c in claims if c.host == host and not alive(c.family, c.pid)]
             if sum(bool(store._release(c)) for c in dead):
                 continue
             if scan.ended and not any(
-                c.family != me.family and (c.host != host or trainer_alive(c.family, c.pid)) for c in claims
+                c.family != me.family and (c.host != host or alive(c.family, c.pid)) for c in claims
             ):
                 return
             time.sleep(store.poll_interval)

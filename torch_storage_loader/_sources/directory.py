@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -290,6 +291,7 @@ class ClaimedName(NamedTuple):
     original: str
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a waiting consumer lists every poll_interval, hundreds of claims in flight
 def parse_claim(name: str) -> Claim | None:
     """The claim a name ``NAME.claimed-HOST-FAMILY-PID`` makes (its ``ref``: a ``ClaimedName``), or
     None: not a valid claim.

@@ -174,3 +174,64 @@ def test_a_tree_leaf_past_the_header_arrays_is_a_corrupt_error():
     raw = b"TSLSTOR\x00\x01\x00\x00\x00F\x00\x00\x00\x80" + bytes(15) + doc + bytes(26)
     with pytest.raises(StorageCorruptError, match="more arrays than the 0 its header lists"):
         _format.parse_header(raw, "fuzz.tsl", len(raw))
+
+
+def _with_doc(raw: bytes, doc: bytes) -> bytes:
+    """``raw`` (a saved file) with its header document replaced by ``doc`` (the same data section)."""
+    data_offset, data_size = _format.FIXED.unpack_from(raw)[3:]
+    data = raw[data_offset:]
+    offset = _format.align(_format.FIXED.size + len(doc))
+    fixed = _format.FIXED.pack(_format.MAGIC, _format.VERSION, len(doc), offset, data_size)
+    return (fixed + doc).ljust(offset, b"\0") + data
+
+
+def _doc(raw: bytes) -> bytes:
+    _, _, header_len, _, _ = _format.FIXED.unpack_from(raw)
+    return raw[_format.FIXED.size : _format.FIXED.size + header_len]
+
+
+def _parse(raw: bytes, path: str = "x.tsl"):
+    return _format.parse_header(raw, path, len(raw))
+
+
+def _refusal(raw: bytes, good: bytes | None) -> str:
+    """What parsing ``raw`` raises, after parsing ``good`` (its array table kept), or with none kept."""
+    _format._tables.clear()
+    _format._parsed.clear()
+    if good is not None:
+        _parse(good)
+        assert _format._tables, "the good file's table was not kept"
+    with pytest.raises(StorageCorruptError) as info:
+        _parse(raw)
+    return str(info.value)
+
+
+def test_headers_that_share_an_array_table_parse_only_their_trees(tmp_path):
+    """Samples of one structure share their array table while inline values (an id) make each header
+    unique: after the first, only the tree is parsed. Each still gets its own tree; a tree that is
+    damaged, over the bounds with the table's values counted, or followed by more keys is refused
+    exactly as without the table kept (the whole header is then parsed, and says why)."""
+    for i in range(3):
+        FileStorage(tmp_path / f"{i}.tsl").save({"obs": np.full((4, 2), i, np.float32), "id": i})
+    raws_good = [(tmp_path / f"{i}.tsl").read_bytes() for i in range(3)]
+    _format._tables.clear()
+    _format._parsed.clear()
+    trees = [_parse(r).spec for r in raws_good]
+    assert [t[2][1] for t in trees] == [["i", 0], ["i", 1], ["i", 2]]  # (tree: ["d", keys, [leaves]])
+    assert len(_format._tables) == 1 and len(_format._parsed) == 3
+
+    good = _doc(raws_good[0])
+    table, tree = good.split(b',"tree":')
+    deep = _format._bounded.HEADER_MAX_DEPTH
+    cases = {
+        "damaged tree": table + b',"tree":["d",["obs","id"],[["a",0],["i",]]]}',
+        "leaf past the table": table + b',"tree":["d",["obs","id"],[["a",0],["a",1]]]}',
+        "a key after the tree": table + b',"tree":' + tree[:-1] + b',"arrays":[]}',
+        "over the depth bound": table + b',"tree":' + b"[" * deep + b"]" * deep + b"}",
+        "a value after the tree": table + b',"tree":' + tree[:-1] + b" 1}",
+        "a brace too many": table + b',"tree":' + tree + b"}",
+    }
+    for name, doc in cases.items():
+        raw = _with_doc(raws_good[0], doc)
+        assert _refusal(raw, raws_good[1]) == _refusal(raw, None), name
+    # (The values bound cannot be passed by a header short enough for the tables: 256 KiB.)

@@ -314,13 +314,24 @@ _PARSED_MAX, _PARSED_MAX_TEXT, _PARSED_MAX_BYTES = 64, 256 << 10, 4 << 20
 _parsed_bytes = 0
 
 
+# Array tables parsed in this process, by their exact text (``{"arrays":[...]``, as written) and data
+# size -> (the table, its count of JSON values). Samples of one structure share the table while
+# their trees differ (an inline ``id``): then only the tree is parsed (``_parse_tree_only``).
+_tables: dict[tuple[bytes, int], tuple[tuple[ArrayEntry, ...], int]] = {}
+_TABLE_HEAD, _TREE_KEY = b'{"arrays":', b'],"tree":'
+
+
 def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
     global _parsed_bytes
     key = (bytes(text), data_size) if len(text) <= _PARSED_MAX_TEXT else None
     known = _parsed.get(key) if key is not None else None
     if known is not None:
         return Header(known[0], known[1], data_offset, data_size)
-    header = _parse_new_doc(text, path, data_offset, data_size)
+    header = _parse_tree_only(key[0], path, data_offset, data_size) if key is not None else None
+    if header is None:
+        header = _parse_new_doc(text, path, data_offset, data_size)
+        if key is not None:
+            _remember_table(key[0], header.arrays, data_size)
     if key is not None:
         if len(_parsed) >= _PARSED_MAX or _parsed_bytes + len(key[0]) > _PARSED_MAX_BYTES:
             _parsed.clear()
@@ -346,6 +357,48 @@ def _parse_new_doc(text: memoryview, path: str, data_offset: int, data_size: int
     arrays = _arrays(doc["arrays"], path, data_size)
     check_tree(doc["tree"], arrays, path)
     return Header(doc["tree"], arrays, data_offset, data_size)
+
+
+def _parse_tree_only(raw: bytes, path: str, data_offset: int, data_size: int) -> Header | None:
+    """The header of ``raw`` if its array table is one parsed before (then only its tree is parsed and
+    checked), else None. Whole, ``raw`` is ``{"arrays":`` + A + ``,"tree":`` + T + ``}`` with A a
+    JSON array parsed before: A ends where a parser would end it, so the document holds exactly A
+    and T, and its bounds follow from A's and T's. Whatever T fails on: None (the full parse says why)."""
+    i = raw.find(_TREE_KEY)
+    known = _tables.get((raw[: i + 1], data_size)) if i > 0 and raw[-1:] == b"}" else None
+    if known is None or len(raw) > MAX_HEADER:
+        return None
+    # The document's depth is 1 + A's or T's (A's passed), its values A's + T's + 3 ({, :, and , : of "tree").
+    arrays, values = known
+    try:
+        tree = _bounded.loads(
+            memoryview(raw)[i + len(_TREE_KEY) : -1],
+            max_bytes=MAX_HEADER,
+            max_depth=_bounded.HEADER_MAX_DEPTH - 1,
+            max_values=_bounded.HEADER_MAX_VALUES - values - 3,
+            floats=False,
+        )
+        check_tree(tree, arrays, path)
+    except Exception:  # noqa: BLE001 - refused here, it is parsed whole, and that parse says why
+        return None
+    return Header(tree, arrays, data_offset, data_size)
+
+
+def _remember_table(raw: bytes, arrays: tuple[ArrayEntry, ...], data_size: int) -> None:
+    """After a full parse of ``raw``: keep its array table's text if it is written as ``layout`` writes it."""
+    i = raw.find(_TREE_KEY)
+    if not raw.startswith(_TABLE_HEAD) or i < 0:
+        return
+    table = memoryview(raw)[len(_TABLE_HEAD) : i + 1]
+    try:  # the text up to the first '],"tree":' is the whole table (not cut inside a string)
+        values = _bounded.measure(table)[1]
+        whole = json.loads(bytes(table)) == [list(e[:2]) + [list(e[2]), *e[3:]] for e in arrays]
+    except ValueError:
+        return
+    if whole:
+        if len(_tables) >= _PARSED_MAX:
+            _tables.clear()
+        _tables[(raw[: i + 1], data_size)] = (arrays, values)
 
 
 def _arrays(entries: object, path: str, data_size: int) -> tuple[ArrayEntry, ...]:

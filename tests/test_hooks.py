@@ -299,6 +299,7 @@ def test_an_iterator_collected_in_a_forked_worker_leaves_the_trainers_workers_an
 
 # A trainer that stops early and leaves its iterator to the interpreter's exit (a module global).
 _LEFT_AT_EXIT = """import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader
@@ -314,6 +315,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "leave":
         it = iter(DataLoader(StorageDataset(directory), batch_size=None, num_workers=2))
         print(int(next(it)["x"][0]), flush=True)
+        time.sleep(1)  # the workers have told the trainer what they took (killed mid-claim, one would not)
     else:
         end_directory_stream(directory)
         print(sorted(int(s["x"][0]) for s in DataLoader(StorageDataset(directory), batch_size=None, num_workers=2)))

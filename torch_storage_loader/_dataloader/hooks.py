@@ -239,15 +239,24 @@ _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 @atexit.register
 def _shut_down_at_exit() -> None:
-    """Shut down, as if deleted, each delivering iterator still alive at interpreter exit (a global, or
-    one in a reference cycle). Later, torch no longer stops workers, modules are half gone and the
-    ledger's daemon thread is frozen with whatever lock it held: what the workers took could not go back."""
+    """Settle each delivering iterator still alive at interpreter exit (a global, or one in a reference
+    cycle). Later, torch no longer stops workers, modules are half gone and the ledger's daemon thread
+    is frozen with whatever lock it held: what the workers took could not go back.
+
+    Its workers are killed first, as multiprocessing would kill them next: one waiting in a source
+    for data never sees torch's stop, and torch would wait 5 s for each. What they reported goes
+    back; what they took unreported is recovered as a dead process's claim or consumer's entry (a
+    fed worker's is the feeder's to give back)."""
     for it in list(_live):
-        if getattr(it, "_tsl_pid", None) == os.getpid():
-            try:
-                it._shutdown_workers()
-            except Exception:  # one iterator's failure must not stop the others'
-                logger.exception("could not shut a DataLoader iterator down at exit")
+        if getattr(it, "_tsl_pid", None) != os.getpid():
+            continue
+        try:
+            for w in getattr(it, "_workers", ()):
+                if w.is_alive():
+                    w.terminate()
+            it._shutdown_workers()
+        except Exception:  # one iterator's failure must not stop the others'
+            logger.exception("could not shut a DataLoader iterator down at exit")
 
 
 def _open(loader: Any) -> Ledger | None:

@@ -316,9 +316,14 @@ _parsed_bytes = 0
 
 # Array tables parsed in this process, by their exact text (``{"arrays":[...]``, as written) and data
 # size -> (the table, its count of JSON values). Samples of one structure share the table while
-# their trees differ (an inline ``id``): then only the tree is parsed (``_parse_tree_only``).
+# their trees differ (an inline ``id``): then only the tree is parsed (``_parse_tree_only``). A table
+# is kept the second time it is parsed (samples whose shapes vary never repeat one), while the kept
+# texts take at most _TABLES_MAX_BYTES; both sets are cleared when full.
 _tables: dict[tuple[bytes, int], tuple[tuple[ArrayEntry, ...], int]] = {}
+_tables_seen: set[int] = set()  # hashes of the tables parsed once
 _TABLE_HEAD, _TREE_KEY = b'{"arrays":', b'],"tree":'
+_TABLES_MAX_BYTES = 1 << 20
+_tables_bytes = 0
 
 
 def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
@@ -385,20 +390,25 @@ def _parse_tree_only(raw: bytes, path: str, data_offset: int, data_size: int) ->
 
 
 def _remember_table(raw: bytes, arrays: tuple[ArrayEntry, ...], data_size: int) -> None:
-    """After a full parse of ``raw``: keep its array table's text if it is written as ``layout`` writes it."""
+    """After a full parse of ``raw``: keep its array table, if written as ``layout`` writes it, the
+    second time. Its text ends at the first ``],"tree":``: a table that parsed holds no object (no
+    ``:`` outside its strings), and no JSON string holds an unescaped ``"``."""
+    global _tables_bytes
     i = raw.find(_TREE_KEY)
-    if not raw.startswith(_TABLE_HEAD) or i < 0:
+    if i < 0 or not raw.startswith(_TABLE_HEAD):
         return
-    table = memoryview(raw)[len(_TABLE_HEAD) : i + 1]
-    try:  # the text up to the first '],"tree":' is the whole table (not cut inside a string)
-        values = _bounded.measure(table)[1]
-        whole = json.loads(bytes(table)) == [list(e[:2]) + [list(e[2]), *e[3:]] for e in arrays]
-    except ValueError:
+    key = (raw[: i + 1], data_size)
+    seen = hash(key)
+    if seen not in _tables_seen:
+        if len(_tables_seen) >= 4 * _PARSED_MAX:
+            _tables_seen.clear()
+        _tables_seen.add(seen)
         return
-    if whole:
-        if len(_tables) >= _PARSED_MAX:
-            _tables.clear()
-        _tables[(raw[: i + 1], data_size)] = (arrays, values)
+    if len(_tables) >= _PARSED_MAX or _tables_bytes + i > _TABLES_MAX_BYTES:
+        _tables.clear()
+        _tables_bytes = 0
+    _tables[key] = (arrays, _bounded.measure(memoryview(raw)[len(_TABLE_HEAD) : i + 1])[1])
+    _tables_bytes += i
 
 
 def _arrays(entries: object, path: str, data_size: int) -> tuple[ArrayEntry, ...]:

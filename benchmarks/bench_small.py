@@ -44,28 +44,36 @@ def _save(directory: str, n: int) -> list[str]:
     return paths
 
 
+def make_source(kind: str, files: str, work: str) -> object:
+    """A source of ``kind`` over the samples saved in ``files``: a list of handles, a closed
+    ``StorageQueue`` of them, or (``dir``) a copy of ``files`` under ``work`` with its stream ended."""
+    from torch_storage_loader import FileStorage, StorageQueue, end_directory_stream
+
+    paths = sorted(os.path.join(files, p) for p in os.listdir(files) if p.endswith(".tsl"))
+    if kind == "list":
+        return [FileStorage(p) for p in paths]
+    if kind == "queue":
+        q = StorageQueue()
+        for p in paths:
+            q.put(FileStorage(p))
+        q.close()
+        return q
+    source = os.path.join(work, "d")
+    shutil.copytree(files, source)
+    end_directory_stream(source)
+    return source
+
+
 def _case(kind: str, files: str, batch: int) -> tuple[float, float]:
     """Samples/s draining ``files`` once through ``kind`` (list, queue or dir), in this process, and
     the CPU time all processes spent per sample (microseconds: the trainer and its workers)."""
     from torch.utils.data import DataLoader
 
-    from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
+    from torch_storage_loader import StorageDataset
 
-    paths = sorted(os.path.join(files, p) for p in os.listdir(files))
-    n = len(paths)
-    work = None
-    if kind == "list":
-        source = [FileStorage(p) for p in paths]
-    elif kind == "queue":
-        source = StorageQueue()
-        for p in paths:
-            source.put(FileStorage(p))
-        source.close()
-    else:
-        work = tempfile.mkdtemp(prefix="tsl-bench-small-")
-        source = os.path.join(work, "d")
-        shutil.copytree(files, source)
-        end_directory_stream(source)
+    n = len([p for p in os.listdir(files) if p.endswith(".tsl")])
+    work = tempfile.mkdtemp(prefix="tsl-bench-small-")
+    source = make_source(kind, files, work)
     options = {"batch_size": batch} if batch else {}
     c0 = os.times()
     got = first = 0
@@ -77,8 +85,7 @@ def _case(kind: str, files: str, batch: int) -> tuple[float, float]:
     rate = (n - first) / (time.perf_counter() - t0)
     c1 = os.times()  # the workers were joined: their time is the children's
     cpu = sum(c1[:4]) - sum(c0[:4])
-    if work is not None:
-        shutil.rmtree(work)
+    shutil.rmtree(work)
     if got != n:
         raise SystemExit(f"{kind}: {got} samples of {n}")
     return rate, cpu / n * 1e6

@@ -83,10 +83,10 @@ class ThreadClock:
 
 
 def main() -> None:
-    from bench_small import _save
+    from bench_small import _save, make_source
     from torch.utils.data import DataLoader
 
-    from torch_storage_loader import FileStorage, StorageDataset, StorageQueue, end_directory_stream
+    from torch_storage_loader import StorageDataset
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source", choices=("list", "queue", "dir"))
@@ -100,18 +100,7 @@ def main() -> None:
         if files is None:
             files = os.path.join(work, "files")
             _save(files, a.n)
-        paths = sorted(os.path.join(files, p) for p in os.listdir(files) if p.endswith(".tsl"))
-        if a.source == "list":
-            source: object = [FileStorage(p) for p in paths]
-        elif a.source == "queue":
-            source = StorageQueue()
-            for p in paths:
-                source.put(FileStorage(p))
-            source.close()
-        else:
-            source = os.path.join(work, "stream")
-            shutil.copytree(files, source)
-            end_directory_stream(source)
+        source = make_source(a.source, files, work)
         options = {"batch_size": a.batch} if a.batch else {}
         loader = DataLoader(StorageDataset(source, **options), batch_size=None, num_workers=2, timeout=120)
         got = 0

@@ -332,11 +332,13 @@ def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) ->
     known = _parsed.get(key) if key is not None else None
     if known is not None:
         return Header(known[0], known[1], data_offset, data_size)
-    header = _parse_tree_only(key[0], path, data_offset, data_size) if key is not None else None
+    raw = key[0] if key is not None else b""  # (a header too long to keep is parsed whole)
+    table = _table_key(raw, data_size)
+    header = _parse_tree_only(raw, table, path, data_offset) if table is not None else None
     if header is None:
         header = _parse_new_doc(text, path, data_offset, data_size)
-        if key is not None:
-            _remember_table(key[0], header.arrays, data_size)
+        if table is not None:
+            _remember_table(table, header.arrays)
     if key is not None:
         if len(_parsed) >= _PARSED_MAX or _parsed_bytes + len(key[0]) > _PARSED_MAX_BYTES:
             _parsed.clear()
@@ -364,15 +366,22 @@ def _parse_new_doc(text: memoryview, path: str, data_offset: int, data_size: int
     return Header(doc["tree"], arrays, data_offset, data_size)
 
 
-def _parse_tree_only(raw: bytes, path: str, data_offset: int, data_size: int) -> Header | None:
-    """The header of ``raw`` if its array table is one parsed before (then only its tree is parsed and
-    checked), else None. Whole, ``raw`` is ``{"arrays":`` + A + ``,"tree":`` + T + ``}`` with A a
-    JSON array parsed before: A ends where a parser would end it, so the document holds exactly A
-    and T, and its bounds follow from A's and T's. Whatever T fails on: None (the full parse says why)."""
+def _table_key(raw: bytes, data_size: int) -> tuple[bytes, int] | None:
+    """``raw`` up to its first ``],"tree":`` (where a table written by ``layout`` ends), and the data size."""
     i = raw.find(_TREE_KEY)
-    known = _tables.get((raw[: i + 1], data_size)) if i > 0 and raw[-1:] == b"}" else None
+    return (raw[: i + 1], data_size) if i > 0 else None
+
+
+def _parse_tree_only(raw: bytes, table: tuple[bytes, int], path: str, data_offset: int) -> Header | None:
+    """The header of ``raw`` if its array table (``table``: ``_table_key``) is one parsed before (then
+    only its tree is parsed and checked), else None. Whole, ``raw`` is ``{"arrays":`` + A +
+    ``,"tree":`` + T + ``}`` with A a JSON array parsed before: A ends where a parser would end it, so
+    the document holds exactly A and T, and its bounds follow from A's and T's. Whatever T fails on:
+    None (the full parse says why)."""
+    known = _tables.get(table) if raw[-1:] == b"}" else None
     if known is None or len(raw) > MAX_HEADER:
         return None
+    i = len(table[0]) - 1  # where _TREE_KEY starts
     # The document's depth is 1 + A's or T's (A's passed), its values A's + T's + 3 ({, :, and , : of "tree").
     arrays, values = known
     try:
@@ -386,29 +395,27 @@ def _parse_tree_only(raw: bytes, path: str, data_offset: int, data_size: int) ->
         check_tree(tree, arrays, path)
     except Exception:  # noqa: BLE001 - refused here, it is parsed whole, and that parse says why
         return None
-    return Header(tree, arrays, data_offset, data_size)
+    return Header(tree, arrays, data_offset, table[1])
 
 
-def _remember_table(raw: bytes, arrays: tuple[ArrayEntry, ...], data_size: int) -> None:
-    """After a full parse of ``raw``: keep its array table, if written as ``layout`` writes it, the
-    second time. Its text ends at the first ``],"tree":``: a table that parsed holds no object (no
-    ``:`` outside its strings), and no JSON string holds an unescaped ``"``."""
+def _remember_table(key: tuple[bytes, int], arrays: tuple[ArrayEntry, ...]) -> None:
+    """After a full parse: keep its array table (``key``: ``_table_key``), if written as ``layout``
+    writes it, the second time. Its text ends at the first ``],"tree":``: a table that parsed holds no
+    object (no ``:`` outside its strings), and no JSON string holds an unescaped ``"``."""
     global _tables_bytes
-    i = raw.find(_TREE_KEY)
-    if i < 0 or not raw.startswith(_TABLE_HEAD):
+    if not key[0].startswith(_TABLE_HEAD):
         return
-    key = (raw[: i + 1], data_size)
     seen = hash(key)
     if seen not in _tables_seen:
         if len(_tables_seen) >= 4 * _PARSED_MAX:
             _tables_seen.clear()
         _tables_seen.add(seen)
         return
-    if len(_tables) >= _PARSED_MAX or _tables_bytes + i > _TABLES_MAX_BYTES:
+    if len(_tables) >= _PARSED_MAX or _tables_bytes + len(key[0]) > _TABLES_MAX_BYTES:
         _tables.clear()
         _tables_bytes = 0
-    _tables[key] = (arrays, _bounded.measure(memoryview(raw)[len(_TABLE_HEAD) : i + 1])[1])
-    _tables_bytes += i
+    _tables[key] = (arrays, _bounded.measure(memoryview(key[0])[len(_TABLE_HEAD) :])[1])
+    _tables_bytes += len(key[0])
 
 
 def _arrays(entries: object, path: str, data_size: int) -> tuple[ArrayEntry, ...]:

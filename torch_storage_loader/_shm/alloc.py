@@ -24,11 +24,13 @@ import mmap
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._format.file import Header, ReadOptions
 from .._options import check_option
-from ..errors import SampleTooLargeError
+from ..errors import SampleTooLargeError, StorageError
 from . import slots as _slots
-from .refs import BytesRef, OneOffRef, SlotRef, plan_key
+from .refs import BytesRef, OneOffRef, SlotRef, plan_key, tree
 from .segments import ENV_DIR, ShmSegment, _human, default_shm_budget, shm_dir
 from .slots import CTRL, SlotRing, page_round
 
@@ -108,16 +110,11 @@ class Lease:
 def _refusal(view: memoryview, header: Header, opts: ReadOptions, path: str) -> Exception | None:
     """Why the sample in ``view`` cannot be built (None: it can). Returned, not raised, with no
     traceback or context: those would keep views of ``view`` (and so the slot's mapping) alive."""
-    import numpy as np
-
-    from .._format.tree import plan_for
-    from ..errors import StorageError
-
     size = header.data_size
     u8 = np.frombuffer(view[:size], np.uint8) if size else np.empty(0, np.uint8)
     try:
         key, consts = plan_key(header, opts)
-        plan_for(key).bind(consts).check(u8, path)
+        tree().plan_for(key).bind(consts).check(u8, path)
     except StorageError as exc:
         exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         return exc
@@ -325,18 +322,14 @@ class _PrivateLease(Lease):
         return memoryview(self.buf)
 
     def _commit(self, header: Header) -> Any:
-        from .._format.tree import Plan, build
-
         self.view.release()
         if self.opts.device is not None:  # a _gpu.device.DeviceItem; the buffer lives until the copy is done
-            import numpy as np
-
             buf = self.buf
             host = np.frombuffer(buf, np.uint8) if len(buf) else np.empty(0, np.uint8)
             return _slots.gpu.deliver(
-                Plan(header, self.opts), host, self.path, self.opts.device, functools.partial(_keep, buf)
+                tree().Plan(header, self.opts), host, self.path, self.opts.device, functools.partial(_keep, buf)
             )
-        return build(header, self.buf, self.opts, path=self.path)
+        return tree().build(header, self.buf, self.opts, path=self.path)
 
 
 def _keep(buf: Any) -> None:

@@ -37,11 +37,18 @@ def _private(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
+@functools.cache
+def tree() -> Any:
+    """``_format.tree``, imported on first use (it imports torch, which a process that never builds
+    a sample does not need); cached, since an import statement costs a microsecond a sample."""
+    from .._format import tree as module
+
+    return module
+
+
 def plan_key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
     """``_format.tree.plan_key``: what a reference carries instead of its header."""
-    from .._format.tree import plan_key as key_of
-
-    return key_of(header, opts)
+    return tree().plan_key(header, opts)
 
 
 def _release(ring: _MappedRing, slot: int, generation: int, pid: int) -> None:
@@ -126,9 +133,7 @@ def _receive_slot(
     copy: bool = False,
     watch: bool = False,
 ) -> Any:
-    from .._format.tree import plan_for
-
-    plan = plan_for(key).bind(consts)
+    plan = tree().plan_for(key).bind(consts)
     size = plan.header.data_size
     device = plan.opts.device
     reg = _slots._registry  # looked up each time: a forked child has its own (slots._new_registry_in_child)
@@ -209,9 +214,7 @@ class BytesRef:
 
 
 def _receive_bytes(key: bytes, consts: tuple, data: bytearray, path: str) -> Any:
-    from .._format.tree import plan_for
-
-    plan = plan_for(key).bind(consts)
+    plan = tree().plan_for(key).bind(consts)
     if plan.opts.device is not None:
         return _slots.gpu.deliver(plan, np.frombuffer(data, np.uint8), path, plan.opts.device, _nothing_to_free)
     return plan.build(np.frombuffer(data, np.uint8), path)
@@ -241,9 +244,7 @@ class OneOffRef:
 
 
 def _receive_oneoff(key: bytes, consts: tuple, segment: ShmSegment, path: str, copy: bool = False) -> Any:
-    from .._format.tree import plan_for
-
-    plan = plan_for(key).bind(consts)
+    plan = tree().plan_for(key).bind(consts)
     size = plan.header.data_size
     if plan.opts.device is not None:
         host = np.frombuffer(segment.mm, np.uint8, size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -192,6 +193,47 @@ def _doc(raw: bytes) -> bytes:
 
 def _parse(raw: bytes, path: str = "x.tsl"):
     return _format.parse_header(raw, path, len(raw))
+
+
+def test_plan_keys_of_headers_that_share_a_table_are_each_their_own(tmp_path):
+    """Headers parsed from files that share an array table share its arrays object, and their plan
+    keys are looked up by it: each key is still exactly the one made from that header alone, so
+    samples whose names or structure differ over the same table never share a plan."""
+    from torch_storage_loader._format import tree as _tree
+
+    samples = [
+        {"obs": np.full((4, 2), 1, np.float32), "id": 1},
+        {"obs": np.full((4, 2), 2, np.float32), "id": 2},
+        {"obz": np.full((4, 2), 3, np.float32), "id": 3},
+        {"obs": np.full((4, 2), 4, np.float32), "id": True},
+        {"obs": np.full((4, 2), 5, np.float32), "id": [5]},
+        {"obs": np.full((4, 2), 6, np.float32), "id": 6},
+    ]
+    _format._tables.clear()
+    _format._tables_seen.clear()
+    _format._parsed.clear()
+    for i in range(2):  # the table is kept the second time it is parsed
+        FileStorage(tmp_path / f"t{i}.tsl").save({"obs": np.zeros((4, 2), np.float32), "id": 100 + i})
+        _parse((tmp_path / f"t{i}.tsl").read_bytes())
+    headers = []
+    for i, x in enumerate(samples):
+        FileStorage(tmp_path / f"{i}.tsl").save(x)
+        headers.append(_parse((tmp_path / f"{i}.tsl").read_bytes()))
+    assert all(h.arrays is headers[0].arrays for h in headers)  # the kept table's object
+    opts = _format.ReadOptions(as_tensors=True)
+
+    def alone(h):
+        skeleton, consts = _tree.split(h.spec)
+        bare = _format.Header(skeleton, h.arrays, h.data_offset, h.data_size)
+        return pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL), consts
+
+    keys = [_tree._key(h, opts) for h in headers]
+    assert keys == [alone(h) for h in headers]
+    assert keys[0][0] == keys[1][0] == keys[5][0]  # the same skeleton: one plan, the ids as consts
+    assert len({k for k, _ in keys}) == 3  # obs, obz, and an id that is a list
+    for h, (key, consts) in zip(headers, keys, strict=True):
+        u8 = np.zeros(h.data_size, np.uint8)
+        assert _tree.plan_for(key).bind(consts).build(u8, "x")["id"] == _tree.build(h, u8.copy(), opts)["id"]
 
 
 def _refusal(raw: bytes, good: list[bytes]) -> str:

@@ -145,7 +145,10 @@ def test_sentinel_url_follows_a_failover_nothing_lost(redis_sentinel):
         back[0].start()
 
     try:
-        put_ids, got = _flow(q, 200, kill_master)
+        try:
+            put_ids, got = _flow(q, 200, kill_master)
+        except Exception as exc:  # what the servers and the Sentinel did (e.g. failed over twice) says why
+            raise AssertionError(f"{exc!r}\n{redis_sentinel.log()}") from exc
         back[0].join(60)
         assert redis_sentinel.master_port() != old, "Sentinel did not fail over"
         assert set(got) == {path for _, path in put_ids}, "a handle acknowledged by put was lost"

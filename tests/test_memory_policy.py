@@ -520,8 +520,9 @@ def open_bytes(path: str) -> bytes:
 
 
 @pytest.mark.known_mapping_leak(
-    "in about half the whole-suite runs (never alone) one 20 KiB worker-ring mapping outlives this test with no "
-    "Python object left that holds it (the leak report's scan of gc objects, thread frames and memoryviews finds none)"
+    "in about half the whole-suite runs (never alone) one 20 KiB worker-ring mapping, sometimes with its descriptor, "
+    "outlives this test with no Python object left that holds it (no mmap of its inode among gc's objects, no thread "
+    "inside a call, nothing in multiprocessing's resource sharer)"
 )
 def test_files_read_in_one_go_still_have_their_own_header(tmp_path):
     """A worker reads a file of the last file's size in one preadv, as if it had the last file's

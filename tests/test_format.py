@@ -195,7 +195,7 @@ def _parse(raw: bytes, path: str = "x.tsl"):
     return _format.parse_header(raw, path, len(raw))
 
 
-def test_plan_keys_of_headers_that_share_a_table_are_each_their_own(tmp_path):
+def test_plan_keys_of_headers_that_share_a_table_are_each_their_own(tmp_path, monkeypatch):
     """Headers parsed from files that share an array table share its arrays object, and their plan
     keys are looked up by it: each key is still exactly the one made from that header alone, so
     samples whose names or structure differ over the same table never share a plan."""
@@ -234,6 +234,12 @@ def test_plan_keys_of_headers_that_share_a_table_are_each_their_own(tmp_path):
     for h, (key, consts) in zip(headers, keys, strict=True):
         u8 = np.zeros(h.data_size, np.uint8)
         assert _tree.plan_for(key).bind(consts).build(u8, "x")["id"] == _tree.build(h, u8.copy(), opts)["id"]
+    # What the cache keeps is bounded in bytes too: the keys come out the same, and it holds no more.
+    monkeypatch.setattr(_tree, "_MAX_SHAPE_BYTES", len(keys[0][0]) + 100)
+    _tree._keys_by_shape.clear()
+    monkeypatch.setattr(_tree, "_shape_bytes", 0)
+    assert [_tree._key(h, opts) for h in headers] == keys
+    assert 0 < _tree._shape_bytes <= _tree._MAX_SHAPE_BYTES and len(_tree._keys_by_shape) == 1
 
 
 def _refusal(raw: bytes, good: list[bytes]) -> str:

@@ -614,7 +614,9 @@ def _key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
     Headers parsed from files that share an array table share its ``arrays`` object
     (``file._parse_tree_only``): for those, the key is looked up by that object and the skeleton's
     own (exact) pickle, instead of pickling the table again for every sample (5 of 8 us, one
-    sample per DataLoader item)."""
+    sample per DataLoader item). Bounded like ``plan_for``'s cache: by count, and by the bytes of
+    what it keeps (``_MAX_SHAPE_BYTES``)."""
+    global _shape_bytes
     skeleton, consts = split(header.spec)
     arrays = header.arrays
     shape = (id(arrays), header.data_offset, header.data_size, opts, pickle.dumps(skeleton, pickle.HIGHEST_PROTOCOL))
@@ -623,13 +625,19 @@ def _key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
         return hit[1], consts
     bare = Header(skeleton, arrays, header.data_offset, header.data_size)
     key = pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL)
-    if len(_keys_by_shape) >= _MAX_PLAN_KEYS:
+    size = len(key) + len(shape[-1])
+    if len(_keys_by_shape) >= _MAX_PLAN_KEYS or _shape_bytes + size > _MAX_SHAPE_BYTES:
         _keys_by_shape.clear()
-    _keys_by_shape[shape] = (arrays, key)  # the arrays are kept: their id stays their own
+        _shape_bytes = 0
+    if size <= _MAX_SHAPE_BYTES:
+        _keys_by_shape[shape] = (arrays, key)  # the arrays are kept: their id stays their own
+        _shape_bytes += size
     return key, consts
 
 
 _keys_by_shape: dict[tuple, tuple[tuple, bytes]] = {}
+_MAX_SHAPE_BYTES = 4 << 20  # keys and skeletons kept by _key, all together
+_shape_bytes = 0
 
 
 def build(header: Header, buf, opts: ReadOptions = DEFAULT_READ, *, path: str = "") -> Any:

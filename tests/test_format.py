@@ -240,6 +240,10 @@ def test_plan_keys_of_headers_that_share_a_table_are_each_their_own(tmp_path, mo
     monkeypatch.setattr(_tree, "_shape_bytes", 0)
     assert [_tree._key(h, opts) for h in headers] == keys
     assert 0 < _tree._shape_bytes <= _tree._MAX_SHAPE_BYTES and len(_tree._keys_by_shape) == 1
+    # A header whose table is not a kept one (a file loaded once, a sample built in memory) is not kept.
+    _tree._keys_by_shape.clear()
+    own = _format.Header(headers[0].spec, (*headers[0].arrays,), headers[0].data_offset, headers[0].data_size)
+    assert _tree._key(own, opts) == keys[0] and not _tree._keys_by_shape
 
 
 def _refusal(raw: bytes, good: list[bytes]) -> str:

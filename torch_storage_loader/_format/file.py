@@ -324,6 +324,7 @@ _tables_seen: set[int] = set()  # hashes of the tables parsed once
 _TABLE_HEAD, _TREE_KEY = b'{"arrays":', b'],"tree":'
 _TABLES_MAX_BYTES = 1 << 20
 _tables_bytes = 0
+_kept_arrays: dict[int, tuple[ArrayEntry, ...]] = {}  # id -> the arrays of each kept table
 
 
 def _parse_doc(text: memoryview, path: str, data_offset: int, data_size: int) -> Header:
@@ -413,9 +414,17 @@ def _remember_table(key: tuple[bytes, int], arrays: tuple[ArrayEntry, ...]) -> N
         return
     if len(_tables) >= _PARSED_MAX or _tables_bytes + len(key[0]) > _TABLES_MAX_BYTES:
         _tables.clear()
+        _kept_arrays.clear()
         _tables_bytes = 0
     _tables[key] = (arrays, _bounded.measure(memoryview(key[0])[len(_TABLE_HEAD) :])[1])
+    _kept_arrays[id(arrays)] = arrays
     _tables_bytes += len(key[0])
+
+
+def is_kept_table(arrays: tuple[ArrayEntry, ...]) -> bool:
+    """Whether ``arrays`` is a kept table's object, which every header of that table parsed since
+    shares (``_parse_tree_only``): worth keying things by."""
+    return _kept_arrays.get(id(arrays)) is arrays
 
 
 def _arrays(entries: object, path: str, data_size: int) -> tuple[ArrayEntry, ...]:

@@ -25,7 +25,7 @@ import torch
 
 from .._untrusted.bounded import INLINE_INT_BOUND, MAX_TREE_DEPTH
 from ..errors import PickleNotAllowedError, StorageCorruptError, StorageError, UnsupportedLeafError
-from .file import DEFAULT_READ, TORCH_ITEMSIZE, Header, ReadOptions
+from .file import DEFAULT_READ, TORCH_ITEMSIZE, Header, ReadOptions, is_kept_table
 from .spec import ARRAY, MAPPINGS, SCALARS, SEQUENCES, TAGS, TREES, VALUES, spec_key
 
 _LITTLE = np.little_endian
@@ -609,29 +609,33 @@ _MAX_PLAN_KEYS = 64
 
 
 def _key(header: Header, opts: ReadOptions) -> tuple[bytes, tuple]:
-    """``plan_key`` without its cache by header (for headers made once, which it would only keep alive).
+    """``plan_key`` without its cache by header object (which would keep headers made once alive).
 
-    Headers parsed from files that share an array table share its ``arrays`` object
-    (``file._parse_tree_only``): for those, the key is looked up by that object and the skeleton's
-    own (exact) pickle, instead of pickling the table again for every sample (5 of 8 us, one
-    sample per DataLoader item). Bounded like ``plan_for``'s cache: by count, and by the bytes of
-    what it keeps (``_MAX_SHAPE_BYTES``)."""
+    Headers whose array table is a kept one (``file._parse_tree_only``) share that table's object:
+    their key is looked up by it and by the skeleton's own (exact) pickle, instead of pickling the
+    table again for every sample (5 of 8 us, one sample per DataLoader item). Other headers (a file
+    loaded once, samples built in memory) make theirs as before. Bounded like ``plan_for``'s cache:
+    by count, and by the bytes of the keys and skeletons kept (``_MAX_SHAPE_BYTES``); the tables
+    themselves are the kept tables' own."""
     global _shape_bytes
     skeleton, consts = split(header.spec)
     arrays = header.arrays
+    bare = Header(skeleton, arrays, header.data_offset, header.data_size)
+    if not is_kept_table(arrays):
+        return pickle.dumps((bare, opts), pickle.HIGHEST_PROTOCOL), consts
     shape = (id(arrays), header.data_offset, header.data_size, opts, pickle.dumps(skeleton, pickle.HIGHEST_PROTOCOL))
     hit = _keys_by_shape.get(shape)
     if hit is not None and hit[0] is arrays:
         return hit[1], consts
-    bare = Header(skeleton, arrays, header.data_offset, header.data_size)
-    key = pickle.dumps((bare, opts), protocol=pickle.HIGHEST_PROTOCOL)
+    key = pickle.dumps((bare, opts), pickle.HIGHEST_PROTOCOL)
     size = len(key) + len(shape[-1])
+    if size > _MAX_SHAPE_BYTES:
+        return key, consts  # never kept (nor does it push the others out)
     if len(_keys_by_shape) >= _MAX_PLAN_KEYS or _shape_bytes + size > _MAX_SHAPE_BYTES:
         _keys_by_shape.clear()
         _shape_bytes = 0
-    if size <= _MAX_SHAPE_BYTES:
-        _keys_by_shape[shape] = (arrays, key)  # the arrays are kept: their id stays their own
-        _shape_bytes += size
+    _keys_by_shape[shape] = (arrays, key)  # the arrays are kept: their id stays their own
+    _shape_bytes += size
     return key, consts
 
 

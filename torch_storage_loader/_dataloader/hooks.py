@@ -17,6 +17,10 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   subclass when the loader's dataset is a ``StorageDataset``, and for any other dataset makes torch's
   own class, as ``object.__new__`` did. A ``StorageDataset`` installs it when made or unpickled, never
   at import: importing the library changes nothing in torch, and installed, nothing for other DataLoaders.
+- ``torch.utils.data.dataloader._BaseDataLoaderIter.__next__``: a ``record_function`` around
+  ``_reset()`` (when ``_sampler_iter`` is None), ``_next_data()``, ``_num_yielded += 1`` and a warning
+  past ``len()``. While no profiler records, the subclass runs that body without the annotation
+  (``_unrecorded_next``), where the names torch's code reads are the ones it was read from; else torch's.
 - ``torch._utils.ExceptionWrapper``: what a worker's failed item is.
 - ``torch.utils.data._utils.fetch._BaseDatasetFetcher``: its ``fetch(self, possibly_batched_index)``
   frame is two to five frames above a dataset's first ``next()`` (``fetch_context``).
@@ -28,7 +32,7 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   returns itself.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
 
-Size: about 440 lines (290 of code), because every private torch touch lives here by rule
+Size: about 520 lines (310 of code), because every private torch touch lives here by rule
 (``tests/test_architecture.py``), each beside its check: split, private torch would have two homes.
 """
 
@@ -303,7 +307,8 @@ def _delivering(cls: type) -> type:
     """``cls`` (a multi-process iterator class) with the delivery hooks: its subclass, made once."""
     check_iterator(cls)
     init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
-    next_ = cls.__next__
+    next_, unrecorded = cls.__next__, _unrecorded_next(cls)
+    profiling = torch._C._autograd._profiler_enabled
 
     @functools.wraps(init)
     def __init__(self, loader, *args, **kwargs):
@@ -353,7 +358,10 @@ def _delivering(cls: type) -> type:
     def __next__(self):
         while True:
             try:
-                out = next_(self)
+                if unrecorded and self._IterableDataset_len_called is None and not profiling():
+                    out = unrecorded(self)
+                else:
+                    out = next_(self)
             except BaseException:
                 ledger = getattr(self, "_tsl_ledger", None)
                 if ledger is not None:
@@ -386,6 +394,37 @@ def _delivering(cls: type) -> type:
 
     methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
     return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})
+
+
+# The names torch's ``_BaseDataLoaderIter.__next__`` reads (torch 2.7 to 2.13), where its body is a
+# ``record_function`` around ``_unrecorded``'s and a warning about ``len()``.
+_NEXT_NAMES = frozenset(
+    ("Iterable", "_DatasetKind", "_IterableDataset_len_called", "_dataset", "_dataset_kind", "_next_data")
+    + ("_num_workers", "_num_yielded", "_profile_name", "_reset", "_sampler_iter", "autograd", "profiler")
+    + ("record_function", "torch", "warn", "warnings")
+)
+
+
+def _unrecorded_next(cls: type) -> Callable[[Any], Any] | None:
+    """``cls.__next__`` without its ``record_function``, for when no profiler records; None (use
+    torch's own) where ``cls`` has a ``__next__`` of its own (torchdata's) or torch's reads other names.
+
+    The annotation costs the trainer's thread 8 us a batch, and 60 to 100 us when the trainer slept
+    on a GPU step since the last (cold caches: benchmarks/bench_dataset.py --only gpu): a profiler
+    that records (``torch.profiler``, ``emit_nvtx``; ``_profiler_enabled()``) still gets it, and so
+    does a loader whose ``len()`` was asked (torch's own ``__next__`` warns past it)."""
+    base = _torch_dataloader._BaseDataLoaderIter.__next__
+    if cls.__next__ is not base or frozenset(getattr(base, "__code__", None).co_names) != _NEXT_NAMES:
+        return None
+    return _unrecorded
+
+
+def _unrecorded(self: Any) -> Any:
+    if self._sampler_iter is None:
+        self._reset()
+    data = self._next_data()
+    self._num_yielded += 1
+    return data
 
 
 class Undelivered:

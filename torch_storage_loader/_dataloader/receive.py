@@ -8,11 +8,10 @@ shutdown stops it. No torch here.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
+import sys
 import threading
-import weakref
 from typing import Any
 
 logger = logging.getLogger("torch_storage_loader")
@@ -34,8 +33,6 @@ class ReceiveThread(threading.Thread):
         super().__init__(daemon=True, **kwargs)
 
     def join(self, timeout: float | None = None) -> None:
-        if self is threading.current_thread():  # the iterator collected on this thread: it stops once back
-            return
         super().join(RECEIVE_JOIN_S if timeout is None else timeout)
         if timeout is None and self.is_alive():
             logger.warning("the tsl-receive thread did not stop within %.0f s; going on without it", RECEIVE_JOIN_S)
@@ -43,34 +40,21 @@ class ReceiveThread(threading.Thread):
 
 class Handoff:
     """At most one received result, from the ``tsl-receive`` thread to the trainer's; the trainer's
-    side is what torch calls on its pin-memory thread's ``queue.Queue``: ``get(timeout=)``. What
-    broke the thread's reading (``fail``) is raised by every later ``get``, on the trainer's thread,
-    where torch's ``_try_get_data`` reads it as its own queue's error (a dead worker, too many open
-    files)."""
+    side is what torch calls on its pin-memory thread's ``queue.Queue``: ``get(timeout=)``."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._result: Any = None
         self._full = False
-        self._error: BaseException | None = None
         self.done = _Done(self._cond)  # torch sets it to stop the thread: that wakes the thread at once
-        _running.add(self.done)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._full or self._error is not None, timeout if block else 0):
+            if not self._cond.wait_for(lambda: self._full, timeout if block else 0):
                 raise queue.Empty
-            if not self._full:
-                assert self._error is not None
-                raise self._error
             result, self._result, self._full = self._result, None, False
             self._cond.notify_all()
         return result
-
-    def fail(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
 
     def put(self, result: Any) -> None:
         with self._cond:
@@ -83,18 +67,6 @@ class Handoff:
             while self._full and not self.done.is_set():
                 self._cond.wait(RECEIVE_CHECK_S)
             return not self.done.is_set()
-
-
-_running: weakref.WeakSet[threading.Event] = weakref.WeakSet()  # each live thread's stop event
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """Stop every receive thread before multiprocessing's exit handler (registered earlier, so run
-    later) kills a persistent iterator's workers: a thread reading their results then would read a
-    cut message, and hand the trainer an error it never asks for."""
-    for done in list(_running):
-        done.set()
 
 
 class _Done(threading.Event):
@@ -117,8 +89,9 @@ def receive(results: Any, handoff: Handoff, done: threading.Event) -> None:
             r = results.get(timeout=RECEIVE_CHECK_S)
         except queue.Empty:
             continue
-        except Exception as exc:  # noqa: BLE001 - the queue broke under it: raised on the trainer's thread, as torch's own
-            handoff.fail(exc)
+        except Exception:  # the queue broke under it: the trainer raises torch's error next
+            if not done.is_set() and not sys.is_finalizing():
+                logger.exception("the tsl-receive thread stopped")
             return
         if not done.is_set():
             handoff.put(r)

@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import dataloader
 
 from torch_storage_loader import UnsupportedTorchError
-from torch_storage_loader._dataloader import hooks, receive
+from torch_storage_loader._dataloader import hooks
 from torch_storage_loader._dataloader.items import WorkerItem, collate_items
 
 
@@ -57,7 +57,7 @@ def test_batches_are_received_ahead_on_a_thread_that_ends_with_the_iterator(hand
 
     from torch_storage_loader import StorageDataset
 
-    ds = StorageDataset(handles[:12], slots_per_worker=receive.AHEAD_MIN_SLOTS, max_rings_per_worker=2)
+    ds = StorageDataset(handles[:12], slots_per_worker=hooks.AHEAD_MIN_SLOTS, max_rings_per_worker=2)
     it = iter(DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=4))  # four results on their way
     got = [int(next(it)["info"]["id"])]
     thread = it._pin_memory_thread
@@ -71,7 +71,7 @@ def test_batches_are_received_ahead_on_a_thread_that_ends_with_the_iterator(hand
     start = time.monotonic()
     del it  # torch stops the thread, then the worker; a thread that waits on the trainer is woken at once
     took = time.monotonic() - start
-    assert not thread.is_alive() and took < receive.RECEIVE_CHECK_S / 2, took  # not its 5 s check
+    assert not thread.is_alive() and took < hooks.RECEIVE_CHECK_S / 2, took  # not its 5 s check
 
 
 def test_too_few_slots_to_receive_ahead_start_no_thread(handles):
@@ -79,7 +79,7 @@ def test_too_few_slots_to_receive_ahead_start_no_thread(handles):
 
     from torch_storage_loader import StorageDataset
 
-    ds = StorageDataset(handles[:4], slots_per_worker=receive.AHEAD_MIN_SLOTS - 1)
+    ds = StorageDataset(handles[:4], slots_per_worker=hooks.AHEAD_MIN_SLOTS - 1)
     it = iter(DataLoader(ds, batch_size=None, num_workers=1))
     assert sorted(int(s["info"]["id"]) for s in it) == [0, 1, 2, 3]
     assert not hasattr(it, "_pin_memory_thread")

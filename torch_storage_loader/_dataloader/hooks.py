@@ -32,7 +32,7 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   returns itself.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
 
-Size: about 570 lines (330 of code), because every private torch touch lives here by rule
+Size: about 520 lines (310 of code), because every private torch touch lives here by rule
 (``tests/test_architecture.py``), each beside its check: split, private torch would have two homes.
 """
 
@@ -45,7 +45,9 @@ import inspect
 import logging
 import multiprocessing as mp
 import os
+import queue
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -58,7 +60,6 @@ from torch.utils.data._utils import fetch as _fetch
 
 from ..errors import PinThreadUnavailable, UnsupportedTorchError
 from .ledger import Ledger, LedgerRef
-from .receive import AHEAD_MIN_SLOTS, Handoff, ReceiveThread, receive
 
 __all__ = [
     "Tracked",
@@ -434,15 +435,84 @@ def _start_receiving(it: Any) -> None:
     sample built from its slot, 60 to 300 us after a GPU step, cold), done while the trainer's thread
     computes or waits on its GPU. torch's ``_get_data`` takes the received results from
     ``_data_queue`` (checking that the thread lives), and ``_shutdown_workers`` stops the thread
-    first, as it does its pin-memory thread. One result at a time is received ahead (``Handoff``),
+    first, as it does its pin-memory thread. One result at a time is received ahead (``_Handoff``),
     and only where a worker's ring has ``AHEAD_MIN_SLOTS``: a sample received holds its slot, and
     more held would read as a consumer that keeps what it gets (the worker then sends copies). The ledger still counts each item on the trainer's thread
     (``_process_data``), in the order it is handed over."""
-    it._data_queue = handoff = Handoff()
+    it._data_queue = handoff = _Handoff()
     it._pin_memory_thread_done_event = done = handoff.done
-    thread = ReceiveThread(target=receive, args=(it._worker_result_queue, handoff, done), name="tsl-receive")
+    thread = threading.Thread(
+        target=_receive, args=(it._worker_result_queue, handoff, done), name="tsl-receive", daemon=True
+    )
     thread.start()
     it._pin_memory_thread, it._pin_memory = thread, True
+
+
+class _Handoff:
+    """At most one received result, from the ``tsl-receive`` thread to the trainer's; the trainer's
+    side is what torch calls on its pin-memory thread's ``queue.Queue``: ``get(timeout=)``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._result: Any = None
+        self._full = False
+        self.done = _Done(self._cond)  # torch sets it to stop the thread: that wakes the thread at once
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._full, timeout if block else 0):
+                raise queue.Empty
+            result, self._result, self._full = self._result, None, False
+            self._cond.notify_all()
+        return result
+
+    def put(self, result: Any) -> None:
+        with self._cond:
+            self._result, self._full = result, True
+            self._cond.notify_all()
+
+    def wait_taken(self) -> bool:
+        """Until the trainer took the last result (True), or the iterator is stopping (False)."""
+        with self._cond:
+            while self._full and not self.done.is_set():
+                self._cond.wait(RECEIVE_CHECK_S)
+            return not self.done.is_set()
+
+
+class _Done(threading.Event):
+    """The receive thread's stop event: setting it also wakes a thread waiting on ``cond``."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        super().__init__()
+        self._wake = cond
+
+    def set(self) -> None:
+        super().set()
+        with self._wake:
+            self._wake.notify_all()
+
+
+def _receive(results: Any, handoff: _Handoff, done: threading.Event) -> None:
+    """The ``tsl-receive`` thread: torch's pin-memory loop without the pinning, one result ahead."""
+    while handoff.wait_taken():
+        try:
+            r = results.get(timeout=RECEIVE_CHECK_S)
+        except queue.Empty:
+            continue
+        except Exception:  # the queue broke under it: the trainer raises torch's error next
+            if not done.is_set() and not sys.is_finalizing():
+                logger.exception("the tsl-receive thread stopped")
+            return
+        if not done.is_set():
+            handoff.put(r)
+        del r  # nothing kept from one result to the next
+
+
+# A for loop's last sample (held while it asks for the next), the one handed over, the one received
+# ahead and the one a worker fills: with fewer slots, the one ahead would read as a consumer that keeps
+# what it gets, and the worker would send copies.
+AHEAD_MIN_SLOTS = 4
+RECEIVE_CHECK_S = 5.0  # how often the tsl-receive thread checks it should stop (torch's pin thread: 5 s)
 
 
 # The names torch's ``_BaseDataLoaderIter.__next__`` reads (torch 2.7 to 2.13), where its body is a

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from torch.utils.data import dataloader
@@ -46,43 +45,6 @@ def test_a_profiler_sees_each_next_and_none_runs_without_one(handles):
     assert (sorted(got), calls) == ([0, 1, 2, 3], 5)  # four items and the call that ends the data
     it = iter(loader)
     assert sorted(int(s["info"]["id"]) for s in it) == [0, 1, 2, 3] and it._num_yielded == 4
-
-
-@pytest.mark.parametrize("stop", ["exhausted", "early"])
-def test_batches_are_received_ahead_on_a_thread_that_ends_with_the_iterator(handles, stop):
-    """Worker results are taken off torch's result queue (each sample built from its slot) by the
-    iterator's ``tsl-receive`` thread, one ahead of the trainer's; a consumer that drops what it gets
-    still gets no copies, with the fewest slots that allow it; the thread stops with the iterator."""
-    from torch.utils.data import DataLoader
-
-    from torch_storage_loader import StorageDataset
-
-    ds = StorageDataset(handles[:12], slots_per_worker=hooks.AHEAD_MIN_SLOTS, max_rings_per_worker=2)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=4))  # four results on their way
-    got = [int(next(it)["info"]["id"])]
-    thread = it._pin_memory_thread
-    assert thread.name == "tsl-receive" and thread.is_alive()
-    if stop == "exhausted":
-        got += [int(s["info"]["id"]) for s in it]
-        assert sorted(got) == list(range(12)) and ds.stats()["copies"] == 0, ds.stats()
-    deadline = time.monotonic() + 30
-    while stop == "early" and not it._data_queue._full and time.monotonic() < deadline:
-        time.sleep(0.01)  # one received ahead: the thread waits for the trainer to take it
-    start = time.monotonic()
-    del it  # torch stops the thread, then the worker; a thread that waits on the trainer is woken at once
-    took = time.monotonic() - start
-    assert not thread.is_alive() and took < hooks.RECEIVE_CHECK_S / 2, took  # not its 5 s check
-
-
-def test_too_few_slots_to_receive_ahead_start_no_thread(handles):
-    from torch.utils.data import DataLoader
-
-    from torch_storage_loader import StorageDataset
-
-    ds = StorageDataset(handles[:4], slots_per_worker=hooks.AHEAD_MIN_SLOTS - 1)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
-    assert sorted(int(s["info"]["id"]) for s in it) == [0, 1, 2, 3]
-    assert not hasattr(it, "_pin_memory_thread")
 
 
 class _OldIterator(dataloader._MultiProcessingDataLoaderIter):

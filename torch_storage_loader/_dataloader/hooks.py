@@ -45,9 +45,7 @@ import inspect
 import logging
 import multiprocessing as mp
 import os
-import queue
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -89,7 +87,6 @@ class Tracked(Protocol):
 
     device: Any  # None, or where its batches go (finished on the trainer's thread as handed over)
     batch_size: int | None  # handles per item it yields (None: one)
-    slots_per_worker: int  # each worker's ring: a receive thread is started where it has room for one ahead
 
     def _tsl_delivery_source(self) -> Any:
         """The streaming source whose handles the workers report to a ledger, or None (finite)."""
@@ -310,7 +307,7 @@ def _delivering(cls: type) -> type:
     """``cls`` (a multi-process iterator class) with the delivery hooks: its subclass, made once."""
     check_iterator(cls)
     init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
-    next_, unrecorded, ahead = cls.__next__, _unrecorded_next(cls), _receives_ahead(cls)
+    next_, unrecorded = cls.__next__, _unrecorded_next(cls)
     profiling = torch._C._autograd._profiler_enabled
 
     @functools.wraps(init)
@@ -332,8 +329,6 @@ def _delivering(cls: type) -> type:
                 ledger.started()
         if ledger is not None:
             _live.add(self)
-        if ahead and device is None and not self._pin_memory and loader.dataset.slots_per_worker >= AHEAD_MIN_SLOTS:
-            _start_receiving(self)
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):
@@ -399,120 +394,6 @@ def _delivering(cls: type) -> type:
 
     methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
     return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})
-
-
-# What torch's iterators read of their pin-memory thread, by method (``_receives_ahead``).
-_PIN_THREAD_NAMES = {
-    "_get_data": {"_pin_memory", "_pin_memory_thread", "_try_get_data"},
-    "_try_get_data": {"_data_queue"},
-    "_shutdown_workers": {"_pin_memory_thread", "_pin_memory_thread_done_event", "_worker_result_queue"},
-}
-
-
-def _receives_ahead(cls: type) -> bool:
-    """Whether ``cls`` takes its results from a thread as torch's pin-memory thread hands them over
-    (``_start_receiving``); where it does not (a torch that changed), the trainer's thread receives,
-    as before, and a warning says so once."""
-    for name, names in _PIN_THREAD_NAMES.items():
-        code = getattr(getattr(cls, name, None), "__code__", None)
-        if code is None or not names <= set(code.co_names):
-            logger.warning(
-                "torch %s: %s.%s no longer reads %s; a StorageDataset's batches are received on the trainer's "
-                "thread, not ahead of it",
-                torch.__version__,
-                cls.__qualname__,
-                name,
-                sorted(names),
-            )
-            return False
-    return True
-
-
-def _start_receiving(it: Any) -> None:
-    """Give iterator ``it`` a ``tsl-receive`` thread where torch would start its pin-memory thread.
-
-    The thread takes each worker's result off the result queue: unpickling it is the receive (the
-    sample built from its slot, 60 to 300 us after a GPU step, cold), done while the trainer's thread
-    computes or waits on its GPU. torch's ``_get_data`` takes the received results from
-    ``_data_queue`` (checking that the thread lives), and ``_shutdown_workers`` stops the thread
-    first, as it does its pin-memory thread. One result at a time is received ahead (``_Handoff``),
-    and only where a worker's ring has ``AHEAD_MIN_SLOTS``: a sample received holds its slot, and
-    more held would read as a consumer that keeps what it gets (the worker then sends copies). The ledger still counts each item on the trainer's thread
-    (``_process_data``), in the order it is handed over."""
-    it._data_queue = handoff = _Handoff()
-    it._pin_memory_thread_done_event = done = handoff.done
-    thread = threading.Thread(
-        target=_receive, args=(it._worker_result_queue, handoff, done), name="tsl-receive", daemon=True
-    )
-    thread.start()
-    it._pin_memory_thread, it._pin_memory = thread, True
-
-
-class _Handoff:
-    """At most one received result, from the ``tsl-receive`` thread to the trainer's; the trainer's
-    side is what torch calls on its pin-memory thread's ``queue.Queue``: ``get(timeout=)``."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._result: Any = None
-        self._full = False
-        self.done = _Done(self._cond)  # torch sets it to stop the thread: that wakes the thread at once
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._full, timeout if block else 0):
-                raise queue.Empty
-            result, self._result, self._full = self._result, None, False
-            self._cond.notify_all()
-        return result
-
-    def put(self, result: Any) -> None:
-        with self._cond:
-            self._result, self._full = result, True
-            self._cond.notify_all()
-
-    def wait_taken(self) -> bool:
-        """Until the trainer took the last result (True), or the iterator is stopping (False)."""
-        with self._cond:
-            while self._full and not self.done.is_set():
-                self._cond.wait(RECEIVE_CHECK_S)
-            return not self.done.is_set()
-
-
-class _Done(threading.Event):
-    """The receive thread's stop event: setting it also wakes a thread waiting on ``cond``."""
-
-    def __init__(self, cond: threading.Condition) -> None:
-        super().__init__()
-        self._wake = cond
-
-    def set(self) -> None:
-        super().set()
-        with self._wake:
-            self._wake.notify_all()
-
-
-def _receive(results: Any, handoff: _Handoff, done: threading.Event) -> None:
-    """The ``tsl-receive`` thread: torch's pin-memory loop without the pinning, one result ahead."""
-    while handoff.wait_taken():
-        try:
-            r = results.get(timeout=RECEIVE_CHECK_S)
-        except queue.Empty:
-            continue
-        except Exception:  # the queue broke under it: the trainer raises torch's error next
-            if not done.is_set() and not sys.is_finalizing():
-                logger.exception("the tsl-receive thread stopped")
-            return
-        if not done.is_set():
-            handoff.put(r)
-        del r  # nothing kept from one result to the next
-
-
-# A for loop's last sample (held while it asks for the next), the one handed over, the one received
-# ahead and the one a worker fills: with fewer slots, the one ahead would read as a consumer that keeps
-# what it gets, and the worker would send copies.
-AHEAD_MIN_SLOTS = 4
-RECEIVE_CHECK_S = 5.0  # how often the tsl-receive thread checks it should stop (torch's pin thread: 5 s)
 
 
 # The names torch's ``_BaseDataLoaderIter.__next__`` reads (torch 2.7 to 2.13), where its body is a

@@ -422,19 +422,21 @@ import sys
 from torch.utils.data import DataLoader
 from torch_storage_loader import FileStorage, StorageDataset
 
-handles = [FileStorage(p) for p in sys.argv[1:]]
-it = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2))
+handles = [FileStorage(p) for p in sys.argv[2:]]
+persistent = sys.argv[1] == "persistent"  # torch keeps the iterator, and its workers, to the end
+it = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2, persistent_workers=persistent))
 first = next(it)  # the iterator and its workers are still alive when the interpreter exits
 print(int(first["info"]["id"]))
 """
 
 
-def test_an_iterator_alive_at_interpreter_exit_shuts_down_quietly(handles):
+@pytest.mark.parametrize("workers", ["plain", "persistent"])
+def test_an_iterator_alive_at_interpreter_exit_shuts_down_quietly(handles, workers):
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-X", "dev", "-c", _ITERATOR_ALIVE_AT_EXIT, *[h.path for h in handles[:6]]],
+        [sys.executable, "-X", "dev", "-c", _ITERATOR_ALIVE_AT_EXIT, workers, *[h.path for h in handles[:6]]],
         capture_output=True,
         text=True,
         timeout=120,

@@ -411,8 +411,10 @@ def _unrecorded_next(cls: type) -> Callable[[Any], Any] | None:
 
     The annotation costs the trainer's thread 8 us a batch, and 60 to 100 us when the trainer slept
     on a GPU step since the last (cold caches: benchmarks/bench_dataset.py --only gpu): a profiler
-    that records (``torch.profiler``, ``emit_nvtx``; ``_profiler_enabled()``) still gets it, and so
-    does a loader whose ``len()`` was asked (torch's own ``__next__`` warns past it)."""
+    that records as ``_profiler_enabled()`` sees it (``torch.profiler``, ``emit_nvtx``) still gets it,
+    and so does a loader whose ``len()`` was asked (torch's own ``__next__`` warns past it). A trace
+    attached from outside (on-demand Kineto through dynolog) or an ``ExecutionTraceObserver`` alone
+    would miss the annotation (nothing else)."""
     base = _torch_dataloader._BaseDataLoaderIter.__next__
     if cls.__next__ is not base or frozenset(getattr(base, "__code__", None).co_names) != _NEXT_NAMES:
         return None

@@ -416,7 +416,7 @@ def _unrecorded_next(cls: type) -> Callable[[Any], Any] | None:
     attached from outside (on-demand Kineto through dynolog) or an ``ExecutionTraceObserver`` alone
     would miss the annotation (nothing else)."""
     base = _torch_dataloader._BaseDataLoaderIter.__next__
-    if cls.__next__ is not base or frozenset(getattr(base, "__code__", None).co_names) != _NEXT_NAMES:
+    if cls.__next__ is not base or frozenset(base.__code__.co_names) != _NEXT_NAMES:
         return None
     return _unrecorded
 

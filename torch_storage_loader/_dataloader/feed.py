@@ -8,16 +8,17 @@ and only then writes it to that worker's feed pipe. A worker asks for what its n
 (``NEED`` on its ledger pipe) when it has nothing left, so handles go to the worker the trainer is
 waiting on, never to one that may not be asked for an item again (asking ahead, before it is
 empty, let a worker that runs ahead on prefetched indices take what the trainer then waited for on
-another, with the stream open). It reads its pipe (``FeedReader``) and reports what it read to the
-ledger once per DataLoader item, before loading it, and whatever ends its iteration (``stream``).
-Whatever was given and not reported is still known to the trainer, and goes back when the iterator
-stops.
+another, with the stream open). It reads its pipe (``FeedReader``) in order, so a count says what
+it read: before it loads a DataLoader item, and whatever ends its iteration, it writes how many it
+has read to shared memory (``_shm.marks``; see ``stream``), and the ledger, as that item reaches the
+trainer, takes the item's handles off what was given (``upto``). Whatever was given and is in no
+item that reached the trainer is still known to the trainer, and goes back when the iterator stops.
 
 Those requests are the one flow control: a worker is sent only what it asked for, in the order
 workers asked, and asks again only once it has read it all. The pipe adds none: the trainer's end
 is non-blocking, and what a pipe cannot take at once waits, in order, in the feeder's buffer for
 that feed (bounded by the worker's request) until the pipe drains; the thread writes it again every
-``FLUSH_S`` while some waits (a worker reading half a message has nothing to report yet). So no
+``FLUSH_S`` while some waits (a worker reading half a message has nothing to ask for yet). So no
 write blocks the thread, whether a worker is dead or no longer reads; the messages that end a
 stream always fit, after what is there (the stop is still written after ``stop()``, until
 ``close()``); and nothing models the kernel's pipe pages. (Counting pages, as the feeder once did,
@@ -44,6 +45,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._proc import frame, pid_alive, raise_pipe
+from .._shm.marks import FeedMarks
 from ..errors import StorageError
 from ..storage import Storage
 
@@ -67,13 +69,18 @@ class Feeder:
     used. A handle larger than ``HANDLE_MAX`` pickled is refused: the stream ends with a ``TypeError``.
     """
 
-    def __init__(self, source: Any, feeds: list[Any], *, most: int) -> None:
+    def __init__(self, source: Any, feeds: list[Any], *, most: int, ahead: int) -> None:
         self.source, self._feeds = source, feeds
+        # A worker is at most ``ahead`` items (the DataLoader's prefetch) past what reached the
+        # trainer: a ring twice as long, and some, is never overwritten before it is read.
+        self.marks = FeedMarks(len(feeds), 2 * ahead + 16)
         for f in feeds:
             raise_pipe(f.fileno(), min(PIPE_MAX, max(1 << 16, most * HANDLE_BYTES)))
             os.set_blocking(f.fileno(), False)
         self._out = [bytearray() for _ in feeds]  # framed messages each pipe has not taken yet (the thread's)
-        self._given: list[collections.deque[bytes]] = [collections.deque() for _ in feeds]  # not yet reported
+        self._given: list[collections.deque[bytes]] = [collections.deque() for _ in feeds]  # in no item yet
+        self._base = [0] * len(feeds)  # the feed position of each _given's first handle
+        self._settled: list[collections.Counter[bytes]] = [collections.Counter() for _ in feeds]  # by the worker
         self._want = [0] * len(feeds)  # handles asked for and not yet sent, per worker
         self._asking: collections.deque[int] = collections.deque()  # workers with a want, oldest first
         self._incarnation = 0
@@ -92,12 +99,33 @@ class Feeder:
             self._want[worker] += n
             self._cond.notify()
 
-    def reported(self, worker: int, n: int) -> None:
-        """Worker ``worker`` read ``n`` more handles off its feed (it told the ledger it took them)."""
+    def in_item(self, worker: int, item: int) -> list[bytes]:
+        """The handles in worker ``worker``'s item ``item`` of this iteration, which just reached the
+        trainer (the worker's mark for it says how far they go); forgotten here. None once closed."""
+        return [] if self._closing else self._upto(worker, self.marks.item(worker, item))
+
+    def read_in(self, incarnation: int) -> list[bytes]:
+        """The handles the workers read in ``incarnation`` (now over) in no item that reached the trainer."""
+        if self._closing:
+            return []
+        return [t for w in range(len(self._feeds)) for t in self._upto(w, self.marks.last(w, incarnation))]
+
+    def _upto(self, worker: int, position: int) -> list[bytes]:
+        """The handles given to worker ``worker`` up to its feed position ``position``, those it
+        settled itself left out; forgotten here."""
         with self._cond:
-            given = self._given[worker]
-            for _ in range(min(n, len(given))):
-                given.popleft()
+            given, settled = self._given[worker], self._settled[worker]
+            n = min(position - self._base[worker], len(given))
+            if n <= 0:
+                return []
+            self._base[worker] += n
+            out = [given.popleft() for _ in range(n)]
+            return _without(out, settled) if settled else out
+
+    def settled(self, worker: int, tokens: list[bytes]) -> None:
+        """Worker ``worker`` settled ``tokens`` itself (they failed to load): never acknowledged or given back."""
+        with self._cond:
+            self._settled[worker].update(tokens)
 
     def restart(self, incarnation: int) -> None:
         """Persistent workers began iteration ``incarnation``: take from the source again (what was
@@ -114,9 +142,13 @@ class Feeder:
             self._cond.notify()
 
     def undelivered(self) -> list[Any]:
-        """After ``close``: every handle given to a worker that it did not report; forgotten here."""
+        """After ``close``: every handle given to a worker and in no item that reached the trainer; forgotten here."""
         with self._cond:
-            out = [t for given in self._given for t in given]
+            out = [
+                t
+                for given, settled in zip(self._given, self._settled, strict=True)
+                for t in _without(list(given), settled)
+            ]
             for given in self._given:
                 given.clear()
         return out
@@ -132,6 +164,7 @@ class Feeder:
                 logger.warning("the tsl-feeder thread did not stop within %.0f s; going on without it", STOP_WAIT_S)
         for feed in self._feeds:
             feed.close()
+        self.marks.close()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -243,6 +276,7 @@ class FeedReader:
         self.feed, self._trainer_pid, self._ask = feed, trainer_pid, ask
         self.waiting: collections.deque[tuple[Any, Any]] = collections.deque()
         self.outstanding = 0  # asked for, not yet received
+        self.position = 0  # handles yielded so far: the trainer counts what it gave the same way
         self.chunk = 1  # what one request asks for
 
     def pairs(self, incarnation: int) -> Iterator[tuple[Any, Any]]:
@@ -250,6 +284,7 @@ class FeedReader:
         source's end (or the iterator's stop, or the trainer's death); raises what taking raised."""
         while True:
             while self.waiting:
+                self.position += 1
                 yield self.waiting.popleft()
             if self.outstanding <= 0:
                 self.outstanding = self.chunk
@@ -278,11 +313,24 @@ class FeedReader:
                 raise RuntimeError(f"the trainer's feed sent {type(msg).__name__} {msg!r:.200}, not a feed message")
 
 
+def _without(tokens: list[bytes], settled: collections.Counter[bytes]) -> list[bytes]:
+    """``tokens`` less one of each that ``settled`` counts (those are taken off it)."""
+    out = []
+    for t in tokens:
+        if settled[t] > 0:
+            settled[t] -= 1
+            if not settled[t]:
+                del settled[t]
+        else:
+            out.append(t)
+    return out
+
+
 def _pair(data: Any) -> tuple[Any, Any]:
     """A pickled handle as the trainer fed it: ``(token, handle)``, the token being the bytes.
 
     One that does not unpickle here (its class cannot be imported in the worker, say) still comes
-    out as a pair, so that it is reported taken like the others and then fails where it is loaded."""
+    out as a pair, so that it is counted read like the others and then fails where it is loaded."""
     try:
         handle = ForkingPickler.loads(data) if type(data) is bytes else None
     except Exception as exc:  # noqa: BLE001 - whatever unpickling raised: the handle fails, the feed goes on

@@ -278,6 +278,8 @@ def _open(loader: Any) -> Ledger | None:
         ctx,
         confirm=bool(getattr(loader, "confirm_delivery", False)),
         most=2 * per_item,
+        # Indices sent and not yet processed: torch's prefetch, and one per worker that ended.
+        ahead=((loader.prefetch_factor or 2) + 1) * loader.num_workers,
     )
     ds._tsl_attach_ledger(ledger.ref())
     return ledger

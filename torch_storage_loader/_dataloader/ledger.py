@@ -15,7 +15,9 @@ the order items were yielded. Whatever is left when the iterator stops (a ``brea
 exception, workers killed, the next epoch of persistent workers) goes back to the source.
 
 A queue source is ``fed_from_trainer``: the trainer takes its handles and feeds the workers
-(``feed``), so that what a worker is given is known before the worker has it.
+(``feed``), so that what a worker is given is known before the worker has it. Such a worker writes
+no message per item: before loading an item it writes how far it has read its feed to shared memory
+(``_shm.marks``), and ``delivered`` takes that item's handles off what the feeder gave it.
 
 The iterator's methods are wrapped by ``hooks`` (every touch of private torch is there); this
 module imports no torch: the ledger only reads and writes pipes and calls its source's ``ack``,
@@ -36,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .._proc import WakePipe, after_fork_in_child
+from .._shm.marks import FeedMarks
 from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
@@ -46,9 +49,9 @@ MAX_NEED = 1 << 20  # the most handles a worker may ask for at once
 
 
 class Entry(NamedTuple):
-    """One message of a worker's pipe: the worker took (``TAKE``) or settled itself (``DROP``: failed,
-    skipped) ``tokens`` for its DataLoader item ``item`` of its iterator ``incarnation``; or it asks for
-    handles (``NEED``, ``tokens == [n]``)."""
+    """One message of a worker's pipe: the worker took (``TAKE``: from its source, never when fed) or
+    settled itself (``DROP``: failed, skipped) ``tokens`` for its DataLoader item ``item`` of its
+    iterator ``incarnation``; or, fed, it asks for handles (``NEED``, ``tokens == [n]``)."""
 
     kind: str
     incarnation: int
@@ -66,14 +69,18 @@ class ItemKey(NamedTuple):
 
 class LedgerRef(NamedTuple):
     """What a dataset hands its DataLoader workers: the ledger's id, one pipe end per worker to
-    report on, and (for a source the trainer feeds) one to read handles from, and the trainer's pid."""
+    report on, and (for a source the trainer feeds) one to read handles from and the marks of how
+    far each read it, and the trainer's pid."""
 
     id: str
     writers: list[Any]
     feeds: list[Any] | None
+    marks: FeedMarks | None
     trainer_pid: int
 
 
+# Size: about 265 lines, one lock's state (what each worker took, until settled) and its thread; the
+# feeding and its marks are in feed.
 class Ledger:
     """Trainer side: what each worker took, until it is acknowledged or given back.
 
@@ -82,7 +89,9 @@ class Ledger:
     sources whose entries expire (``keep_alive``: Redis claims idle entries after ``claim_after``).
     """
 
-    def __init__(self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1) -> None:
+    def __init__(
+        self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1, ahead: int = 2
+    ) -> None:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
         self._unconfirmed: collections.deque[ItemKey] = collections.deque()  # yielded, not yet confirmed
@@ -114,13 +123,14 @@ class Ledger:
         if source.fed_from_trainer:
             feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
             self._feeds = [r for r, _ in feeds]
-            self._feeder = Feeder(source, [w for _, w in feeds], most=most)
+            self._feeder = Feeder(source, [w for _, w in feeds], most=most, ahead=ahead)
         _ledgers.add(self)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
 
     def ref(self) -> LedgerRef:
-        return LedgerRef(self.id, self.writers, self._feeds, os.getpid())
+        marks = self._feeder.marks if self._feeder is not None else None
+        return LedgerRef(self.id, self.writers, self._feeds, marks, os.getpid())
 
     def started(self) -> None:
         """The workers have their pipe ends: drop ours, so a reader sees EOF once they are gone."""
@@ -198,11 +208,15 @@ class Ledger:
             else:
                 logger.warning("worker %d asked for %r handles; ignored", worker, msg.tokens[:2])
             return
+        if self._feeder is not None:  # fed: what a worker took is in its marks; it only drops
+            if msg.kind == DROP:
+                self._feeder.settled(worker, msg.tokens)
+            else:
+                logger.warning("worker %d, fed, wrote a %r entry; ignored", worker, msg.kind)
+            return
         taken = self._taken.setdefault(ItemKey(worker, msg.incarnation, msg.item), [])
         if msg.kind == TAKE:
             taken.extend(msg.tokens)
-            if self._feeder is not None:
-                self._feeder.reported(worker, len(msg.tokens))
             return
         for t in msg.tokens:
             if t in taken:
@@ -217,6 +231,8 @@ class Ledger:
             self._drain()
             self._yielded[worker] += 1
             key = ItemKey(worker, self._incarnation, self._yielded[worker] - 1)
+            if self._feeder is not None:
+                self._taken[key] = self._feeder.in_item(worker, key.item)
             if ok and not skipped:
                 self._handing.append(key)
                 return
@@ -267,11 +283,15 @@ class Ledger:
         """Persistent workers restarted their iterators: what the last epoch left goes back."""
         with self._lock:
             self._drain()
+            back = self._pop(
+                [k for k in self._taken if k.incarnation <= self._incarnation]
+            )  # (workers may be in the next)
+            if self._feeder is not None:  # read in the last incarnation, in no item that reached the trainer
+                back += self._feeder.read_in(self._incarnation)
             self._incarnation += 1
             self._yielded = [0] * len(self._yielded)
             self._unconfirmed.clear()
             self._handing = []
-            back = self._pop([k for k in self._taken if k.incarnation < self._incarnation])
             incarnation = self._incarnation
         self._settle([], back)
         if self._feeder is not None:
@@ -341,12 +361,13 @@ def _close_trainer_ends_in_child() -> None:
 
 
 class LedgerWriter:
-    """Worker side: one worker's pipes (``feed``: None unless the trainer feeds it), and the
-    incarnation it is in."""
+    """Worker side: worker ``wid``'s pipes (``feed``: None unless the trainer feeds it; then ``marks``
+    too), and the incarnation it is in."""
 
-    def __init__(self, ledger_id: str, conn: Any, feed: Any = None, trainer_pid: int = 0) -> None:
-        self.ledger_id, self._conn, self.incarnation = ledger_id, conn, -1
-        self.feed = None if feed is None else FeedReader(feed, trainer_pid, self._need)
+    def __init__(self, ref: LedgerRef, wid: int) -> None:
+        self.ledger_id, self._conn, self.incarnation = ref.id, ref.writers[wid], -1
+        self.wid, self._marks = wid, ref.marks
+        self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid, self._need)
 
     def restart(self) -> None:
         self.incarnation += 1
@@ -364,7 +385,13 @@ class LedgerWriter:
         self._conn.send(Entry(NEED, self.incarnation, 0, [n]))
 
     def took(self, item: int, tokens: list[Any]) -> None:
+        """Not fed: the worker took ``tokens`` for ``item`` from its source (told before it loads them)."""
         self._conn.send(Entry(TAKE, self.incarnation, item, tokens))
+
+    def reached(self, item: int) -> None:
+        """Fed: what the worker read off its feed so far is in ``item`` or earlier ones (see ``_shm.marks``)."""
+        assert self.feed is not None and self._marks is not None  # a fed source's writer
+        self._marks.reached(self.wid, self.incarnation, item, self.feed.position)
 
     def dropped(self, item: int, tokens: list[Any]) -> None:
         self._conn.send(Entry(DROP, self.incarnation, item, tokens))

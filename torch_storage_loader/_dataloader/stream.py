@@ -9,7 +9,6 @@ workers (``feed``). Without workers the trainer settles its handles as it loads 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Iterator
@@ -64,8 +63,7 @@ class Stream:
         if ref is None:
             return None
         if self._writer is None or self._writer.ledger_id != ref.id:
-            feed = ref.feeds[wid] if ref.feeds is not None else None
-            self._writer = LedgerWriter(ref.id, ref.writers[wid], feed, ref.trainer_pid)
+            self._writer = LedgerWriter(ref, wid)
         self._writer.restart()
         return self._writer
 
@@ -79,17 +77,17 @@ class Stream:
             pairs = self.source.iterate(shard, shards, family=family)
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[tuple[Any, Storage]] = []
-        # Fed: read, not yet told. The trainer's feeder holds each handle it gave as given until the
-        # worker tells it, so a worker killed before telling loses nothing, and telling once per
-        # group (before it loads) is enough; but every handle read is told, whatever ends the
-        # iteration (the ``finally``): the feeder settles what it is told against what it gave,
-        # oldest first, so one left untold would shift every later one.
-        untold: list[Any] = []
+        # Fed: handles read since the last mark. The trainer's feeder holds each handle it gave as
+        # given until an item that holds it reaches the trainer, so a worker killed at any point
+        # loses nothing; the worker marks how far it has read once per group (before it loads it),
+        # and whatever ends the iteration (the ``finally``), so that the item that raised and the
+        # last iteration's reads are known to hold what they read.
+        unmarked = False
         try:
             for token, storage in pairs:
                 group.append((token, storage))
                 if fed:
-                    untold.append(token)
+                    unmarked = True
                 elif writer is not None:
                     # Each as it is taken, never once per group: a worker that waits for the rest of
                     # its group (a slow stream) must not hold handles the trainer cannot see (a
@@ -97,14 +95,16 @@ class Stream:
                     writer.took(made // per_item, [token])
                 if len(group) < size:
                     continue
-                untold = self._tell(writer, made // per_item, untold)
+                if unmarked:
+                    unmarked = self._mark(writer, made // per_item)
                 self._report_refusals()
                 item = self._load(group, writer, made // per_item)
                 group = []
                 if item is not SKIP:
                     made += 1
                     yield item
-            untold = self._tell(writer, made // per_item, untold)  # a last, short group, kept or dropped
+            if unmarked:  # a last, short group, kept or dropped
+                unmarked = self._mark(writer, made // per_item)
             if group and not self.reader.opts.drop_last:
                 item = self._load(group, writer, made // per_item)
                 group = []
@@ -112,9 +112,8 @@ class Stream:
                     yield item
         finally:
             pairs.close()  # type: ignore[attr-defined]  # a stream's pairs come from a generator
-            if untold:  # the feed raised mid-group: the trainer gets this worker's error next
-                with contextlib.suppress(OSError):  # the trainer is gone: nothing to tell
-                    self._tell(writer, made // per_item, untold)
+            if unmarked:  # the feed raised mid-group: the trainer gets this worker's error next
+                self._mark(writer, made // per_item)
             if group and writer is None:
                 self.source.give_back(
                     [t for t, _ in group]
@@ -122,12 +121,11 @@ class Stream:
             self._report_refusals()  # those after the last sample, or with none at all
 
     @staticmethod
-    def _tell(writer: LedgerWriter | None, item: int, tokens: list[Any]) -> list[Any]:
-        """Tell the ledger a fed worker read ``tokens`` for ``item``; returns a new empty list."""
-        if tokens:
-            assert writer is not None  # only a fed worker has untold tokens
-            writer.took(item, tokens)
-        return []
+    def _mark(writer: LedgerWriter | None, item: int) -> bool:
+        """A fed worker marks that what it read so far is in ``item`` or earlier; returns False (marked)."""
+        assert writer is not None  # only a fed worker has unmarked reads
+        writer.reached(item)
+        return False
 
     def _load(self, group: list[tuple[Any, Storage]], writer: LedgerWriter | None, item: int) -> Any:
         """``group`` loaded, its tokens that failed settled as failed; without a ledger (in the trainer)

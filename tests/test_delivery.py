@@ -197,15 +197,17 @@ def test_consumers_killed_while_waiting_do_not_stop_the_others(tmp_path):
             c.join()
 
 
-def test_an_open_queue_feeds_the_worker_the_trainer_waits_on(tmp_path):
-    """Handles go to workers as they ask: none sits with a worker the trainer is not waiting on
-    while the one it waits on has none (8 handles, 8 items, the stream still open)."""
+@pytest.mark.parametrize(("n", "batch_size"), [(8, None), (5, None), (13, None), (6, 2), (9, 3)])
+def test_an_open_queue_feeds_the_worker_the_trainer_waits_on(tmp_path, n, batch_size):
+    """What a queue holds is shared out an item's worth at a time, to the worker holding the fewest:
+    none sits with a worker the trainer is not waiting on while the one it waits on has none, for
+    any count (every item the handles make arrives with the stream still open)."""
     q = StorageQueue()
-    for s in _save_all(tmp_path / "files", n=8):
+    for s in _save_all(tmp_path / "files", n=n):
         q.put(s)
-    it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=30))
-    got = [i for _ in range(8) for i in _ids(next(it))]
-    assert sorted(got) == list(range(8))
+    it = iter(DataLoader(StorageDataset(q, batch_size=batch_size), batch_size=None, num_workers=2, timeout=30))
+    got = [i for _ in range(n // (batch_size or 1)) for i in _ids(next(it))]
+    assert sorted(got) == list(range(n))
     q.close()
     assert list(it) == []
 
@@ -229,8 +231,8 @@ def test_a_handle_too_large_to_feed_is_refused_by_name(tmp_path):
 
 
 def test_a_batch_cut_short_by_the_feeds_error_goes_back_under_persistent_workers(tmp_path):
-    """A fed worker tells the trainer what it read once per batch; the feed's error mid-batch (a handle
-    refused) still tells what the half batch read, so those handles go back, and the next epoch of
+    """A fed worker marks what it read once per batch; the feed's error mid-batch (a handle
+    refused) still marks what the half batch read, so those handles go back, and the next epoch of
     the same workers neither loses them nor takes the ones it reads next for them."""
     small = _save_all(tmp_path / "files", n=40)
     q = StorageQueue()
@@ -252,8 +254,9 @@ def test_a_batch_cut_short_by_the_feeds_error_goes_back_under_persistent_workers
     assert sorted(got) == list(range(40)), "a handle was lost or delivered twice"
 
 
-def test_requests_larger_than_a_feed_pipe_arrive_whole(tmp_path):
-    """A worker may ask for more than its feed's pipe holds (here 32 handles of 40 KB, through 64 KiB):
+def test_top_ups_larger_than_a_feed_pipe_arrive_whole(tmp_path):
+    """A worker may be topped up with more than its feed's pipe holds (here up to 64 handles of 40 KB,
+    through 64 KiB):
     the trainer writes what the pipe takes and the rest as the worker reads, never waiting on it, and
     the stop still reaches workers whose feed is full: stopping early loses nothing."""
     q = StorageQueue()
@@ -456,7 +459,7 @@ from torch_storage_loader import StorageDataset, StorageQueue
 
 if __name__ == "__main__":
     q = StorageQueue()
-    for i in range(2000):  # about 60 KB pickled each: one request of 128 is 7.7 MB, fed through 1 MB pipes
+    for i in range(2000):  # about 60 KB pickled each: a top-up of 128 is 7.7 MB, fed through 1 MB pipes
         q.put(MemoryStorage({{"x": np.full(15000, i, np.float32)}}))
     q.close()
     dl = DataLoader(StorageDataset(q, batch_size=64), batch_size=None, num_workers=2, multiprocessing_context="fork")
@@ -480,7 +483,7 @@ def test_workers_of_a_trainer_killed_mid_feed_exit(tmp_path):
     )
     try:
         assert proc.stdout.readline() == b"ready\n", proc.stderr.read().decode()[-3000:]
-        time.sleep(0.2)  # feeding: requests of 7.7 MB cross the pipes a megabyte at a time
+        time.sleep(0.2)  # feeding: top-ups of 7.7 MB cross the pipes a megabyte at a time
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 30

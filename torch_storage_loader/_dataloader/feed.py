@@ -4,26 +4,29 @@ Taking from a queue removes the handle before the taker can record it anywhere: 
 took a handle and was killed before telling the ledger would lose it, and one killed while
 waiting on a queue's lock would leave every other consumer waiting. So for a ``fed_from_trainer``
 source the trainer's ``tsl-feeder`` thread takes, records each handle as given to worker ``w``,
-and only then writes it to that worker's feed pipe. A worker asks for what its next items need
-(``NEED`` on its ledger pipe) when it has nothing left, so handles go to the worker the trainer is
-waiting on, never to one that may not be asked for an item again (asking ahead, before it is
-empty, let a worker that runs ahead on prefetched indices take what the trainer then waited for on
-another, with the stream open). It reads its pipe (``FeedReader``) in order, so a count says what
-it read: before it loads a DataLoader item, and whatever ends its iteration, it writes how many it
-has read to shared memory (``_shm.marks``; see ``stream``), and the ledger, as that item reaches the
-trainer, takes the item's handles off what was given (``upto``). Whatever was given and is in no
-item that reached the trainer is still known to the trainer, and goes back when the iterator stops.
+and only then writes it to that worker's feed pipe.
 
-Those requests are the one flow control: a worker is sent only what it asked for, in the order
-workers asked, and asks again only once it has read it all. The pipe adds none: the trainer's end
-is non-blocking, and what a pipe cannot take at once waits, in order, in the feeder's buffer for
-that feed (bounded by the worker's request) until the pipe drains; the thread writes it again every
-``FLUSH_S`` while some waits (a worker reading half a message has nothing to ask for yet). So no
-write blocks the thread, whether a worker is dead or no longer reads; the messages that end a
-stream always fit, after what is there (the stop is still written after ``stop()``, until
-``close()``); and nothing models the kernel's pipe pages. (Counting pages, as the feeder once did,
-was a second flow control kept in step with the first; bounding requests by what a pipe holds would
-have capped a handle near a page, or a request well below two items' worth.)
+A worker reads its pipe (``FeedReader``) in order, so a count says what it read: before it loads a
+DataLoader item, and whatever ends its iteration, it writes how many it has read to shared memory
+(``_shm.marks``; see ``stream``). As that item reaches the trainer, the ledger takes the item's
+handles off what was given (``in_item``). Whatever was given and is in no item that reached the
+trainer is still known to the trainer, and goes back when the iterator stops.
+
+The marks are also the one flow control, and no worker ever asks: the trainer knows what each
+worker holds unread (given, less its last mark), and the thread tops a worker up to the high
+``watermarks`` once it holds the low one or fewer (``delivered`` notices, as each item arrives). So
+a worker never waits on a round trip while the source has handles (asking, one request per few
+items, once cost a third of a small sample's time), and none holds more than a top-up beyond the
+items it was asked for. What comes in is shared out an item's worth at a time, each to the worker
+that holds the fewest, so what trickles in goes to the worker the trainer is waiting on, not to one
+that runs ahead on prefetched indices while the trainer waits on another, with the stream open.
+
+The pipe adds no flow control: the trainer's end is non-blocking, and what a pipe cannot take at
+once waits, in order, in the feeder's buffer for that feed (bounded by the high watermark) until
+the pipe drains; the thread writes it again every ``FLUSH_S`` while some waits. So no write blocks
+the thread, whether a worker is dead or no longer reads; the messages that end a stream always fit,
+after what is there (the stop is still written after ``stop()``, until ``close()``); and nothing
+models the kernel's pipe pages.
 
 A feed carries ``("fed", [pickled handle, ...])`` (a pickled handle is its own token), ``("end",
 incarnation)`` (the source ended; a worker in an older incarnation stops, a newer one skips it), ``("error", exception,
@@ -40,7 +43,7 @@ import os
 import pickletools
 import queue as _queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -55,7 +58,8 @@ FED, END, ERROR, STOP = "fed", "end", "error", "stop"
 TAKE_WAIT_S = 0.1  # how long one take waits: the thread checks for a stop this often
 TRAINER_CHECK_S = 2.0  # how often a waiting worker checks that its trainer still lives
 PIPE_MAX = 1 << 20  # the most a feed's pipe is raised to (Linux's default limit for unprivileged users)
-HANDLE_BYTES = 1024  # what a pipe is sized for per handle a worker asks for (a FileStorage pickles to ~150)
+LOW_MIN, TOP_UP_MIN = 8, 16  # the least low watermark, and the least top-up (see watermarks)
+HANDLE_BYTES = 1024  # what a pipe is sized for per handle it may hold (a FileStorage pickles to ~150)
 HANDLE_MAX = 64 << 10  # the largest pickled handle fed: a handle names where a sample is
 FLUSH_S = 0.005  # how often the thread writes again to a feed whose pipe was full
 STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and goes on
@@ -64,25 +68,26 @@ STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and
 class Feeder:
     """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
 
-    Workers are served as they asked (``need``), never blocked on (see the module). Pipes are
-    raised to hold ``most`` handles (up to 1 MiB, where the system allows), so the buffer is rarely
-    used. A handle larger than ``HANDLE_MAX`` pickled is refused: the stream ends with a ``TypeError``.
+    Each worker is kept between the ``watermarks`` of handles given and not read, never blocked on
+    (see the module). Pipes are raised to hold the high watermark (up to 1 MiB, where the system
+    allows), so the buffer is rarely used. A handle larger than ``HANDLE_MAX`` pickled is refused:
+    the stream ends with a ``TypeError``.
     """
 
-    def __init__(self, source: Any, feeds: list[Any], *, most: int, ahead: int) -> None:
-        self.source, self._feeds = source, feeds
+    def __init__(self, source: Any, feeds: list[Any], *, item: int, ahead: int) -> None:
+        self.source, self._feeds, self._item = source, feeds, item
+        self._low, self._high = watermarks(item)
         # A worker is at most ``ahead`` items (the DataLoader's prefetch) past what reached the
         # trainer: a ring twice as long, and some, is never overwritten before it is read.
         self.marks = FeedMarks(len(feeds), 2 * ahead + 16)
         for f in feeds:
-            raise_pipe(f.fileno(), min(PIPE_MAX, max(1 << 16, most * HANDLE_BYTES)))
+            raise_pipe(f.fileno(), min(PIPE_MAX, max(1 << 16, self._high * HANDLE_BYTES)))
             os.set_blocking(f.fileno(), False)
         self._out = [bytearray() for _ in feeds]  # framed messages each pipe has not taken yet (the thread's)
         self._given: list[collections.deque[bytes]] = [collections.deque() for _ in feeds]  # in no item yet
         self._base = [0] * len(feeds)  # the feed position of each _given's first handle
         self._settled: list[collections.Counter[bytes]] = [collections.Counter() for _ in feeds]  # by the worker
-        self._want = [0] * len(feeds)  # handles asked for and not yet sent, per worker
-        self._asking: collections.deque[int] = collections.deque()  # workers with a want, oldest first
+        self._turn = 0  # the worker first in line among those that hold as few (see _share)
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation
         self._stopped = self._closing = False
@@ -91,14 +96,6 @@ class Feeder:
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the ledger
-    def need(self, worker: int, n: int) -> None:
-        """Worker ``worker`` has nothing left and asks for ``n`` handles (its next item's)."""
-        with self._cond:
-            if self._want[worker] == 0:
-                self._asking.append(worker)
-            self._want[worker] += n
-            self._cond.notify()
-
     def in_item(self, worker: int, item: int) -> list[bytes]:
         """The handles in worker ``worker``'s item ``item`` of this iteration, which just reached the
         trainer (the worker's mark for it says how far they go); forgotten here. None once closed."""
@@ -120,7 +117,13 @@ class Feeder:
                 return []
             self._base[worker] += n
             out = [given.popleft() for _ in range(n)]
+            if self._unread(worker) <= self._low:
+                self._cond.notify()  # the thread tops this worker up
             return _without(out, settled) if settled else out
+
+    def _unread(self, worker: int) -> int:
+        """Handles given to ``worker`` past its last mark (under the lock): not read yet, or in the group it reads."""
+        return self._base[worker] + len(self._given[worker]) - self.marks.latest(worker)
 
     def settled(self, worker: int, tokens: list[bytes]) -> None:
         """Worker ``worker`` settled ``tokens`` itself (they failed to load): never acknowledged or given back."""
@@ -186,28 +189,42 @@ class Feeder:
         with self._cond:
             if self._stopped:
                 return False
-            if self._done or not self._asking:
+            unread = [self._unread(w) for w in range(len(self._feeds))]
+            if self._done or min(unread) > self._low:
                 self._cond.wait(FLUSH_S if waiting else None)
                 return True
-            worker, incarnation = self._asking[0], self._incarnation
-            quota = self._want[worker]
+            incarnation, quota = self._incarnation, sum(max(0, self._high - u) for u in unread)
         burst, last = self._take(quota, incarnation)
         if burst:
             with self._cond:
                 stopped: bool = self._stopped  # bool: stop() may have run since the check above
-                if not stopped:
-                    self._given[worker].extend(burst)  # before they are sent: a worker killed now loses nothing
-                    self._want[worker] -= len(burst)
-                    if self._want[worker] <= 0:
-                        self._want[worker] = 0
-                        self._asking.remove(worker)
+                shares = {} if stopped else self._share(burst)  # given before sent: a worker killed now loses nothing
             if stopped:
                 self.source.give_back(burst)
                 return False
-            self._out[worker] += frame(ForkingPickler.dumps((FED, burst)))
+            for w, share in shares.items():
+                self._out[w] += frame(ForkingPickler.dumps((FED, share)))
         if last is not None:
             self._finish(incarnation, last)
         return True
+
+    def _share(self, burst: list[bytes]) -> dict[int, list[bytes]]:
+        """Give ``burst`` (no more than the workers have room for) to the workers, one item's worth
+        at a time, each to the one that holds the fewest unread (under the lock): what trickles in
+        goes round the workers as the DataLoader asks them for items, not all to one."""
+        shares: dict[int, list[bytes]] = {}
+        nw = len(self._feeds)
+        unread = [self._unread(w) for w in range(nw)]
+        i = 0
+        while i < len(burst):
+            w = min(range(nw), key=lambda v: (unread[v], (v - self._turn) % nw))
+            n = min(self._item, self._high - unread[w], len(burst) - i)  # > 0: the burst fits (see _step)
+            shares.setdefault(w, []).extend(burst[i : i + n])
+            self._given[w].extend(burst[i : i + n])
+            unread[w] += n
+            i += n
+            self._turn = (w + 1) % nw
+        return shares
 
     def _take(self, quota: int, incarnation: int) -> tuple[list[bytes], tuple[Any, ...] | None]:
         """Up to ``quota`` pickled handles (the source's ``take_pickled``: a pickled handle is its own
@@ -265,19 +282,28 @@ class Feeder:
         return any(self._out)
 
 
+def watermarks(item: int) -> tuple[int, int]:
+    """``(low, high)``: the feeder tops a worker up to ``high`` handles given and not read once it
+    holds ``low`` or fewer, ``item`` handles making one DataLoader item. ``low`` is two items'
+    worth (at least ``LOW_MIN``), so a worker never waits for handles while the source has them
+    (its marks, which the trainer reads as items arrive, lag by at most the group it reads); a
+    top-up is two items' worth, at least ``TOP_UP_MIN``, so the thread wakes once per many small
+    samples, and a worker holds at most that much more than what it was asked for."""
+    low = max(LOW_MIN, 2 * item)
+    return low, low + max(TOP_UP_MIN, 2 * item)
+
+
 class FeedReader:
     """Worker side: one worker's feed, and what it read off it and did not yield yet.
 
     It outlives an iteration (persistent workers start a new one each epoch), so nothing read is
-    dropped, and a request still being served is not made twice. ``ask(n)`` sends the request.
+    dropped, and its position counts on.
     """
 
-    def __init__(self, feed: Any, trainer_pid: int, ask: Callable[[int], None]) -> None:
-        self.feed, self._trainer_pid, self._ask = feed, trainer_pid, ask
+    def __init__(self, feed: Any, trainer_pid: int) -> None:
+        self.feed, self._trainer_pid = feed, trainer_pid
         self.waiting: collections.deque[tuple[Any, Any]] = collections.deque()
-        self.outstanding = 0  # asked for, not yet received
         self.position = 0  # handles yielded so far: the trainer counts what it gave the same way
-        self.chunk = 1  # what one request asks for
 
     def pairs(self, incarnation: int) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in ``incarnation``; ends at the
@@ -286,9 +312,6 @@ class FeedReader:
             while self.waiting:
                 self.position += 1
                 yield self.waiting.popleft()
-            if self.outstanding <= 0:
-                self.outstanding = self.chunk
-                self._ask(self.chunk)
             if not self.feed.poll(TRAINER_CHECK_S):
                 if not pid_alive(self._trainer_pid):
                     return
@@ -299,7 +322,6 @@ class FeedReader:
                 return
             kind = msg[0] if type(msg) is tuple and msg else None
             if kind == FED and len(msg) == 2 and type(msg[1]) is list:
-                self.outstanding -= len(msg[1])
                 self.waiting.extend(_pair(data) for data in msg[1])
             elif kind == END and len(msg) == 2:
                 if msg[1] >= incarnation:

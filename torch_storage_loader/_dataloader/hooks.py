@@ -270,14 +270,14 @@ def _open(loader: Any) -> Ledger | None:
         return None
     ctx = loader.multiprocessing_context or mp.get_context()
     ctx = mp.get_context(ctx) if isinstance(ctx, str) else ctx
-    # What one DataLoader item of dataset batches takes: a fed worker asks for that much at a time.
+    # What one DataLoader item of dataset batches takes: what a fed worker is fed at a time.
     per_item = (loader.batch_size or 1) * (ds.batch_size or 1)
     ledger = Ledger(
         source,
         loader.num_workers,
         ctx,
         confirm=bool(getattr(loader, "confirm_delivery", False)),
-        most=2 * per_item,
+        item=per_item,
         # Indices sent and not yet processed: torch's prefetch, and one per worker that ended.
         ahead=((loader.prefetch_factor or 2) + 1) * loader.num_workers,
     )

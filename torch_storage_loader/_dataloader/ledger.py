@@ -43,15 +43,14 @@ from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
 
-TAKE, DROP, NEED = KINDS = ("take", "drop", "need")
+TAKE, DROP = KINDS = ("take", "drop")
 MAX_UNCONFIRMED = 2
-MAX_NEED = 1 << 20  # the most handles a worker may ask for at once
 
 
 class Entry(NamedTuple):
     """One message of a worker's pipe: the worker took (``TAKE``: from its source, never when fed) or
     settled itself (``DROP``: failed, skipped) ``tokens`` for its DataLoader item ``item`` of its
-    iterator ``incarnation``; or, fed, it asks for handles (``NEED``, ``tokens == [n]``)."""
+    iterator ``incarnation``."""
 
     kind: str
     incarnation: int
@@ -90,7 +89,7 @@ class Ledger:
     """
 
     def __init__(
-        self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, most: int = 1, ahead: int = 2
+        self, source: Any, num_workers: int, ctx: Any, *, confirm: bool = False, item: int = 1, ahead: int = 2
     ) -> None:
         self.source = source
         self.confirm = confirm  # acknowledge on consumed(), not as the iterator yields
@@ -123,7 +122,7 @@ class Ledger:
         if source.fed_from_trainer:
             feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
             self._feeds = [r for r, _ in feeds]
-            self._feeder = Feeder(source, [w for _, w in feeds], most=most, ahead=ahead)
+            self._feeder = Feeder(source, [w for _, w in feeds], item=item, ahead=ahead)
         _ledgers.add(self)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
@@ -201,13 +200,6 @@ class Ledger:
             logger.warning("worker %d wrote a message that is not a ledger entry; ignored", worker)
             return
         msg = Entry._make(msg)
-        n = msg.tokens[0] if len(msg.tokens) == 1 and type(msg.tokens[0]) is int else None
-        if msg.kind == NEED:
-            if self._feeder is not None and n is not None and 1 <= n <= MAX_NEED:
-                self._feeder.need(worker, n)
-            else:
-                logger.warning("worker %d asked for %r handles; ignored", worker, msg.tokens[:2])
-            return
         if self._feeder is not None:  # fed: what a worker took is in its marks; it only drops
             if msg.kind == DROP:
                 self._feeder.settled(worker, msg.tokens)
@@ -367,22 +359,15 @@ class LedgerWriter:
     def __init__(self, ref: LedgerRef, wid: int) -> None:
         self.ledger_id, self._conn, self.incarnation = ref.id, ref.writers[wid], -1
         self.wid, self._marks = wid, ref.marks
-        self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid, self._need)
+        self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid)
 
     def restart(self) -> None:
         self.incarnation += 1
 
-    def fed(self, item: int) -> Iterator[tuple[Any, Any]]:
-        """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation, asked
-        for two of ``item`` s (what one DataLoader item takes), at least four handles, at a time:
-        a round trip to the trainer per two items, and never more than two items' worth held
-        beyond what the worker is asked for."""
+    def fed(self) -> Iterator[tuple[Any, Any]]:
+        """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
         assert self.feed is not None  # a fed source's writer
-        self.feed.chunk = max(4, 2 * item)
         return self.feed.pairs(self.incarnation)
-
-    def _need(self, n: int) -> None:
-        self._conn.send(Entry(NEED, self.incarnation, 0, [n]))
 
     def took(self, item: int, tokens: list[Any]) -> None:
         """Not fed: the worker took ``tokens`` for ``item`` from its source (told before it loads them)."""

@@ -72,7 +72,7 @@ class Stream:
         fed = writer is not None and writer.feed is not None
         if fed:  # the trainer takes, and feeds (see feed)
             assert writer is not None
-            pairs = writer.fed(size * per_item)  # one DataLoader item's worth at a time
+            pairs = writer.fed()
         else:
             pairs = self.source.iterate(shard, shards, family=family)
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item

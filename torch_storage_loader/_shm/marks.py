@@ -48,6 +48,11 @@ class FeedMarks:
         """In the trainer: where worker ``worker``'s item ``item`` ends (read once the item arrived)."""
         return self._words[worker * self._row + _LAST + item % self.ring]
 
+    def latest(self, worker: int) -> int:
+        """In the trainer: worker ``worker``'s last mark so far (marks only grow)."""
+        row = worker * self._row
+        return max(self._words[row], self._words[row + 1])
+
     def last(self, worker: int, iteration: int) -> int:
         """In the trainer: worker ``worker``'s last mark in iteration ``iteration`` (read once that
         iteration is over for it: torch's workers acknowledge a new one only then)."""

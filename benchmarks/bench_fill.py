@@ -56,7 +56,10 @@ def _run(package_dir: str, files: str, rounds: int) -> float:
         f"import sys; sys.path.insert(0, {HERE + '/benchmarks'!r}); import bench_fill as b; "
         f"print(b._case({files!r}, {rounds}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    # cwd: "-c" puts it first on sys.path, and a checkout run from must not shadow package_dir
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=package_dir, check=True, capture_output=True, text=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -109,7 +109,10 @@ def _run(package_dir: str, kind: str, files: str, batch: int) -> tuple[float, fl
         f"import sys; sys.path.insert(0, {HERE + '/benchmarks'!r}); import bench_small as b; "
         f"print(b._case({kind!r}, {files!r}, {batch}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    # cwd: "-c" puts it first on sys.path, and a checkout run from must not shadow package_dir
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=package_dir, check=True, capture_output=True, text=True
+    )
     rate, cpu = out.stdout.strip().splitlines()[-1].strip("()").split(",")
     return float(rate), float(cpu)
 

@@ -149,12 +149,20 @@ def test_redis_stopped_early_ten_times_loses_nothing(tmp_path, redis_server):
             q.delete()
 
 
-def test_killed_worker_loses_nothing(tmp_path):
-    q = StorageQueue()
-    for s in _save_all(tmp_path / "files", n=200):
-        q.put(s)
-    q.close()
-    dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=2, timeout=60)
+@pytest.mark.parametrize("kind", ["queue", "directory"])
+def test_killed_worker_loses_nothing(tmp_path, kind):
+    """A worker SIGKILLed mid-stream holds nothing the trainer does not know: what it was fed goes
+    back (a directory's files too: the trainer claims them, so no claim names a dead worker)."""
+    files = _save_all(tmp_path / "files", n=200)
+    if kind == "queue":
+        source = q = StorageQueue()
+        for s in files:
+            q.put(s)
+        q.close()
+    else:
+        end_directory_stream(tmp_path / "files")
+        source = str(tmp_path / "files")
+    dl = DataLoader(StorageDataset(source), batch_size=None, num_workers=2, timeout=60)
     got: list[int] = []
     it = iter(dl)
     for _ in range(30):
@@ -168,6 +176,8 @@ def test_killed_worker_loses_nothing(tmp_path):
     for item in dl:
         got += _ids(item)
     assert sorted(set(got)) == list(range(200))
+    if kind == "directory":
+        assert os.listdir(tmp_path / "files") == ["_END_OF_STREAM"], "a file was left claimed or undelivered"
 
 
 def test_consumers_killed_while_waiting_do_not_stop_the_others(tmp_path):

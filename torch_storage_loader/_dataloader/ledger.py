@@ -45,6 +45,9 @@ logger = logging.getLogger("torch_storage_loader")
 
 TAKE, DROP = KINDS = ("take", "drop")
 MAX_UNCONFIRMED = 2
+# Acknowledgements sent from the thread go in batches: it is woken once this many are due, and sends
+# fewer once they waited this long (a wake per small sample cost a third of its delivery).
+ACK_BATCH, ACK_DELAY_S = 64, 0.05
 
 
 class Entry(NamedTuple):
@@ -115,6 +118,7 @@ class Ledger:
         self._wake = WakePipe()  # b"a": acknowledgements to send; b"x": stop
         self._waiting.register(self._wake.fileno(), select.POLLIN)
         self._acks: list[Any] = []  # delivered, to acknowledge from the thread (sources with slow acks)
+        self._acks_since = 0.0  # when the first of them was added
         self._ack_behind = bool(source.ack_in_background)
         self._keep_every = source.keep_alive_every
         self._feeds: list[Any] | None = None  # the workers' read ends, until they have them
@@ -158,6 +162,9 @@ class Ledger:
     def _step(self, next_keep: float) -> bool:
         """One round: wait, drain the pipes, send what is due; True once the ledger is closed."""
         timeout = max(0.0, next_keep - time.monotonic()) if self._keep_every else None
+        if self._acks:  # (read unlocked: the wake that added the first one is still to come, at worst)
+            left = max(0.0, self._acks_since + ACK_DELAY_S - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
         for fd in [fd for fd in self._waiting_on if self._worker_of[fd] in self._eof]:  # (_eof only grows)
             self._waiting.unregister(fd)  # a pipe at its end would wake every poll
             self._waiting_on.remove(fd)
@@ -170,7 +177,9 @@ class Ledger:
             self._drain()
             keep = bool(self._keep_every) and time.monotonic() >= next_keep
             held = [t for tokens in self._taken.values() for t in tokens] if keep else []
-            acks, self._acks = self._acks, []
+            acks: list[Any] = []
+            if len(self._acks) >= ACK_BATCH or time.monotonic() >= self._acks_since + ACK_DELAY_S:
+                acks, self._acks = self._acks, []
         if acks:
             try:
                 self.source.ack(acks)
@@ -203,6 +212,7 @@ class Ledger:
         if self._feeder is not None:  # fed: what a worker took is in its marks; it only drops
             if msg.kind == DROP:
                 self._feeder.settled(worker, msg.tokens)
+                self.source.fail(msg.tokens)
             else:
                 logger.warning("worker %d, fed, wrote a %r entry; ignored", worker, msg.kind)
             return
@@ -328,10 +338,15 @@ class Ledger:
         return [t for k in keys for t in self._taken.pop(k, ())]
 
     def _settle(self, ack: list[Any], back: list[Any], now: bool = False) -> None:
-        if ack and self._ack_behind and not now:
+        if ack and self._ack_behind and not now:  # off the trainer's thread, batched (see ACK_BATCH)
             with self._lock:
+                first = not self._acks
+                if first:
+                    self._acks_since = time.monotonic()
                 self._acks.extend(ack)
-            self._wake.wake(b"a")  # off the trainer's thread: a round trip per item is too dear
+                full = len(self._acks) >= ACK_BATCH > len(self._acks) - len(ack)
+            if first or full:
+                self._wake.wake(b"a")  # the first: the thread waits ACK_DELAY_S for more
         elif ack:
             self.source.ack(ack)
         if back:

@@ -133,8 +133,9 @@ class Stream:
         tokens = [t for t, _ in group]
 
         def failed(bad: list[Any]) -> None:
-            self.source.fail(bad)
-            if writer is not None:
+            if writer is None or writer.feed is None:
+                self.source.fail(bad)
+            if writer is not None:  # (fed: the trainer took them, and fails them)
                 writer.dropped(item, bad)
 
         dropped: list[int] = []  # positions skipped (on_error="skip"): settled as failed, never delivered

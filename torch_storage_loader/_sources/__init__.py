@@ -6,8 +6,10 @@ streaming source (``Source``) hands out ``(token, handle)`` pairs and settles ea
 delivered); ``keep_alive`` renews what is held where claims expire (``keep_alive_every`` seconds,
 None: never), and ``ack_in_background`` asks the trainer's ledger thread to acknowledge in batches.
 A source whose takes are not atomic with a record of who took (a queue: the handle is gone from it
-before a worker can say so) is ``fed_from_trainer``: under DataLoader workers the trainer calls its
-``take(timeout)`` and feeds the workers, so a killed worker's handles are known (``_dataloader.ledger``).
+before a worker can say so), or that one claimer per trainer serves best (a directory: no races
+between workers, no message per claim), is ``fed_from_trainer``: under DataLoader workers the trainer
+calls its ``take_pickled`` and feeds the workers, so a killed worker's handles are known
+(``_dataloader.ledger``).
 """
 
 from __future__ import annotations

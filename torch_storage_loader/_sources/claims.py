@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, overload
 
 from .._proc import trainer_alive
 from ..storage import Storage
@@ -62,8 +62,19 @@ class ClaimStore(Protocol):
 JUMP_AT = 8  # 4 claims lost in a row, or about 8 of 16 (see claim_loop)
 
 
-def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "") -> Iterator[tuple[Any, Storage]]:
-    """``(token, handle)`` pairs claimed for consumer ``shard`` of ``num_shards`` of trainer ``family``."""
+@overload
+def claim_loop(
+    store: ClaimStore, shard: int, num_shards: int, family: str = ..., *, wait: Literal[True] = ...
+) -> Iterator[tuple[Any, Storage]]: ...
+@overload
+def claim_loop(
+    store: ClaimStore, shard: int, num_shards: int, family: str = ..., *, wait: Literal[False]
+) -> Iterator[tuple[Any, Storage] | None]: ...
+def claim_loop(
+    store: ClaimStore, shard: int, num_shards: int, family: str = "", *, wait: bool = True
+) -> Iterator[tuple[Any, Storage] | None]:
+    """``(token, handle)`` pairs claimed for consumer ``shard`` of ``num_shards`` of trainer ``family``;
+    with ``wait=False``, None where it would wait ``poll_interval`` for more (the caller waits)."""
     host = socket.gethostname()
     me = Owner(host, family or str(os.getpid()), os.getpid())
     while True:
@@ -80,7 +91,10 @@ def claim_loop(store: ClaimStore, shard: int, num_shards: int, family: str = "")
                 c.family != me.family and (c.host != host or alive(c.family, c.pid)) for c in claims
             ):
                 return
-            time.sleep(store.poll_interval)
+            if wait:
+                time.sleep(store.poll_interval)
+            else:
+                yield None
             continue
         unclaimed = scan.unclaimed
         if store.spread:

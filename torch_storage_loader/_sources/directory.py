@@ -6,8 +6,11 @@ import errno
 import functools
 import logging
 import os
+import queue as _queue
 import re
+import time
 from collections.abc import Callable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar, NamedTuple
 
 from .._format.names import DIR_CLAIM as CLAIM
@@ -25,6 +28,8 @@ __all__ = ["CLAIM", "ClaimedName", "DirectorySource", "parse_claim"]
 logger = logging.getLogger("torch_storage_loader")
 
 
+# Size: about 275 lines, 65 of them the docstring users read: listing, claiming (in workers, or for
+# them) and settling one directory's files.
 class DirectorySource:
     """Files a ``FileStorageLoader`` (or ``FileStorage.save``) writes into ``path``, as they land.
 
@@ -49,9 +54,10 @@ class DirectorySource:
     ``path`` may be an object-store prefix (``s3://bucket/prefix``): the source is then a
     ``PrefixSource`` (a subclass), which claims objects by conditional creation instead of renaming.
 
-    Pass it as a ``StorageDataset``'s source (a plain path does the same with the defaults); the
-    dataset calls ``iterate`` in its workers and settles each token with ``ack``, ``fail`` or
-    ``give_back``.
+    Pass it as a ``StorageDataset``'s source (a plain path does the same with the defaults). Under
+    DataLoader workers the trainer claims (``take_pickled``) and feeds its workers, so a worker
+    killed at any point holds no claim the trainer does not know; without workers it ``iterate`` s.
+    Each token is settled with ``ack``, ``fail`` or ``give_back``, in the process that took it.
 
     Args:
         path: The directory the producers save into (or an object-store prefix URL).
@@ -78,7 +84,7 @@ class DirectorySource:
     finite = False
     keep_alive_every = None
     ack_in_background = True  # a removal per delivered sample: off the trainer's thread, in batches
-    fed_from_trainer = False  # its claims are atomic: workers take themselves
+    fed_from_trainer = True  # one claimer per trainer: no races between its workers, no message per claim
     spread = False  # a rename is cheap: every consumer walks the names in order
 
     _for_urls: ClassVar[type[DirectorySource]]  # ``prefix.PrefixSource``, set as the package defines it
@@ -101,9 +107,11 @@ class DirectorySource:
         self.path, self.delete_after_load, self.poll_interval = os.fspath(path), delete_after_load, poll_interval
         self.refused = 0  # names refused in this process, each counted once
         self._refused: set[str] = set()
+        self._taking: Iterator[tuple[Any, Storage] | None] | None = None  # the trainer's claims (take_pickled)
+        self._fed: dict[bytes, str] = {}  # a pickled handle fed -> its claim, until settled
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "refused": 0, "_refused": set()}
+        return {**self.__dict__, "refused": 0, "_refused": set(), "_taking": None, "_fed": {}}
 
     def _refuse(self, name: str, why: str) -> None:
         if name in self._refused:
@@ -133,6 +141,37 @@ class DirectorySource:
             ``(token, handle)`` per claimed file: settle the token with ``ack``, ``fail`` or ``give_back``.
         """
         return claim_loop(self, shard, num_shards, family)
+
+    def take_pickled(self, most: int, timeout: float) -> list[bytes] | None:
+        """In the trainer, feeding its DataLoader workers: between one and ``most`` files claimed now,
+        each as its handle pickled (its own token), or None once the stream ended.
+
+        Raises:
+            queue.Empty: Nothing landed within ``timeout`` seconds.
+        """
+        if self._taking is None:
+            self._taking = claim_loop(self, 0, 1, wait=False)  # (spread is False: shards do not matter)
+        deadline, out = time.monotonic() + timeout, []
+        for got in self._taking:
+            if got is not None:
+                data = bytes(ForkingPickler.dumps(got[1]))
+                self._fed[data] = got[0]
+                out.append(data)
+                if len(out) < most:
+                    continue
+                return out
+            if out:
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _queue.Empty
+            time.sleep(min(self.poll_interval, left))
+        self._taking = None  # ended: a restart (the next epoch) looks again
+        return out or None
+
+    def _claims_of(self, tokens: list[Any]) -> list[str]:
+        """The claims ``tokens`` stand for: a claim's path (``iterate``) or a pickled handle fed (``take_pickled``)."""
+        return [self._fed.pop(t, "") if type(t) is bytes else t for t in tokens]
 
     def _scan(self) -> Scan:
         ended = os.path.exists(os.path.join(self.path, END_OF_STREAM))  # first: written after the files
@@ -244,7 +283,9 @@ class DirectorySource:
         Args:
             tokens: Tokens from ``iterate``.
         """
-        for path in tokens:  # (gone: reclaimed meanwhile as a dead process's, to be delivered again)
+        for path in self._claims_of(tokens):  # (gone: reclaimed meanwhile as a dead process's, delivered again)
+            if not path:
+                continue
             if self.delete_after_load:
                 self._settle(os.remove, path)
             else:
@@ -256,8 +297,9 @@ class DirectorySource:
         Args:
             tokens: Tokens from ``iterate``.
         """
-        for path in tokens:
-            self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + FAILED)
+        for path in self._claims_of(tokens):
+            if path:
+                self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0] + FAILED)
 
     def keep_alive(self, tokens: list[str]) -> None:
         """Do nothing: a claim here lasts until its trainer dies (part of the source contract).
@@ -272,8 +314,9 @@ class DirectorySource:
         Args:
             tokens: Tokens from ``iterate``.
         """
-        for path in tokens:
-            self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0])
+        for path in self._claims_of(tokens):
+            if path:
+                self._settle(os.rename, path, path.rsplit(CLAIM, 1)[0])
 
 
 def _errno_name(exc: OSError) -> str:

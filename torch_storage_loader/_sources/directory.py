@@ -143,8 +143,15 @@ class DirectorySource:
         return claim_loop(self, shard, num_shards, family)
 
     def take_pickled(self, most: int, timeout: float) -> list[bytes] | None:
-        """In the trainer, feeding its DataLoader workers: between one and ``most`` files claimed now,
-        each as its handle pickled (its own token), or None once the stream ended.
+        """In the trainer, feeding its DataLoader workers: claim what is there, up to ``most`` files.
+
+        Args:
+            most: The most files to claim now.
+            timeout: Seconds to wait for the first, polling every ``poll_interval``.
+
+        Returns:
+            Between one and ``most`` claimed files, each as its handle pickled (its own token: settle
+            it with ``ack``, ``fail`` or ``give_back`` in this process), or None once the stream ended.
 
         Raises:
             queue.Empty: Nothing landed within ``timeout`` seconds.

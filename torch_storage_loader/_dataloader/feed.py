@@ -33,17 +33,20 @@ incarnation)`` (the source ended; a worker in an older incarnation stops, a newe
 incarnation)`` (taking failed, or a handle was refused: the worker raises it, and the trainer
 receives it as the worker's; a newer incarnation skips it) and ``("stop",)`` (the iterator is
 shutting down: stop now, whatever the incarnation).
+
+Size: about 430 lines (270 of code), the trainer's feeding and the worker's reading of one protocol.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import pickletools
 import queue as _queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -65,6 +68,8 @@ FLUSH_S = 0.005  # how often the thread writes again to a feed whose pipe was fu
 STOP_WAIT_S = 30.0  # how long stop() waits for the thread before it says so and goes on
 
 
+# Size: about 280 lines, one thread's state under one lock: taking, sharing out by the marks, and
+# telling the end once nothing given can come back.
 class Feeder:
     """Trainer side: one thread that takes from ``source`` and writes to the workers' feeds.
 
@@ -89,7 +94,9 @@ class Feeder:
         self._settled: list[collections.Counter[bytes]] = [collections.Counter() for _ in feeds]  # by the worker
         self._turn = 0  # the worker first in line among those that hold as few (see _share)
         self._incarnation = 0
-        self._done = False  # the source ended (or failed) for this incarnation
+        self._done = False  # the source ended (or failed) for this incarnation, and the workers were told
+        self._ending: tuple[Any, ...] | None = None  # its end, not told to every worker yet: see _drained
+        self._told: set[int] = set()  # the workers told it
         self._stopped = self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
@@ -134,7 +141,7 @@ class Feeder:
         """Persistent workers began iteration ``incarnation``: take from the source again (what was
         given back before this call is taken again). Handles still in a feed stay given."""
         with self._cond:
-            self._incarnation, self._done = incarnation, False
+            self._incarnation, self._done, self._ending, self._told = incarnation, False, None, set()
             self._cond.notify()
 
     def stop(self) -> None:
@@ -189,11 +196,25 @@ class Feeder:
         with self._cond:
             if self._stopped:
                 return False
-            unread = [self._unread(w) for w in range(len(self._feeds))]
-            if self._done or min(unread) > self._low:
-                self._cond.wait(FLUSH_S if waiting else None)
+            ending = self._ending
+            tell = [w for w in range(len(self._feeds)) if self._drained(w)] if ending is not None else []
+            if tell:
+                self._told.update(tell)
+                if len(self._told) == len(self._feeds):
+                    self._ending, self._done = None, True
+            feeding = [w for w in range(len(self._feeds)) if w not in self._told]
+            unread = [self._unread(w) for w in feeding]
+            if not tell and (self._done or min(unread) > self._low):
+                # An end not told yet is looked at again soon: the workers' waits change no lock.
+                self._cond.wait(FLUSH_S if waiting or self._ending is not None else None)
                 return True
             incarnation, quota = self._incarnation, sum(max(0, self._high - u) for u in unread)
+        if tell:
+            assert ending is not None  # told only while an end waits
+            framed = frame(ForkingPickler.dumps(ending))
+            for w in tell:
+                self._out[w] += framed
+            return True
         burst, last = self._take(quota, incarnation)
         if burst:
             with self._cond:
@@ -215,9 +236,10 @@ class Feeder:
         shares: dict[int, list[bytes]] = {}
         nw = len(self._feeds)
         unread = [self._unread(w) for w in range(nw)]
+        feeding = [w for w in range(nw) if w not in self._told]  # (told the end: fed no more)
         i = 0
         while i < len(burst):
-            w = min(range(nw), key=lambda v: (unread[v], (v - self._turn) % nw))
+            w = min(feeding, key=lambda v: (unread[v], (v - self._turn) % nw))
             n = min(self._item, self._high - unread[w], len(burst) - i)  # > 0: the burst fits (see _step)
             shares.setdefault(w, []).extend(burst[i : i + n])
             self._given[w].extend(burst[i : i + n])
@@ -257,8 +279,29 @@ class Feeder:
         with self._cond:
             if self._incarnation != incarnation:
                 return  # restarted meanwhile: take again
-            self._done = True
+            if msg[0] == END:
+                if self._ending is None:
+                    self._ending = msg  # told each worker once nothing given it can come back (_drained)
+                self._cond.wait(FLUSH_S)  # then the source is looked at again (a handle given back)
+                return
+            self._ending, self._done = None, True
         self._send_all(msg)
+
+    def _drained(self, w: int) -> bool:
+        """Whether worker ``w``, not told the end yet, waits having read all it was given, and its
+        items reached the trainer (those it skipped whole need not: it settled their handles), under
+        the lock. Until then one of those items may fail on its way (its handles go back to the
+        source, to be fed again in this iteration), so the source's end is not told it yet. (Each
+        worker apart: the trainer waiting on one worker's item may hold back the others'.)"""
+        given = self._given[w]
+        if w in self._told or self.marks.waiting_at(w) != self._base[w] + len(given):
+            return False
+        settled = collections.Counter(self._settled[w])
+        for t in itertools.islice(given, max(0, self.marks.latest(w) - self._base[w])):
+            if settled[t] <= 0:
+                return False  # in an item on its way
+            settled[t] -= 1
+        return True
 
     def _send_all(self, msg: tuple[Any, ...]) -> None:
         try:
@@ -300,8 +343,8 @@ class FeedReader:
     dropped, and its position counts on.
     """
 
-    def __init__(self, feed: Any, trainer_pid: int) -> None:
-        self.feed, self._trainer_pid = feed, trainer_pid
+    def __init__(self, feed: Any, trainer_pid: int, wait_at: Callable[[int], None]) -> None:
+        self.feed, self._trainer_pid, self._wait_at = feed, trainer_pid, wait_at
         self.waiting: collections.deque[tuple[Any, Any]] = collections.deque()
         self.position = 0  # handles yielded so far: the trainer counts what it gave the same way
 
@@ -312,6 +355,7 @@ class FeedReader:
             while self.waiting:
                 self.position += 1
                 yield self.waiting.popleft()
+            self._wait_at(self.position)
             if not self.feed.poll(TRAINER_CHECK_S):
                 if not pid_alive(self._trainer_pid):
                     return

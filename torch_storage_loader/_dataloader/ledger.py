@@ -22,6 +22,8 @@ no message per item: before loading an item it writes how far it has read its fe
 The iterator's methods are wrapped by ``hooks`` (every touch of private torch is there); this
 module imports no torch: the ledger only reads and writes pipes and calls its source's ``ack``,
 ``give_back`` and ``keep_alive``.
+
+Size: about 405 lines (250 of code), the trainer's ledger and the worker's writer of one protocol.
 """
 
 from __future__ import annotations
@@ -374,7 +376,7 @@ class LedgerWriter:
     def __init__(self, ref: LedgerRef, wid: int) -> None:
         self.ledger_id, self._conn, self.incarnation = ref.id, ref.writers[wid], -1
         self.wid, self._marks = wid, ref.marks
-        self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid)
+        self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid, self._wait_at)
 
     def restart(self) -> None:
         self.incarnation += 1
@@ -383,6 +385,10 @@ class LedgerWriter:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
         assert self.feed is not None  # a fed source's writer
         return self.feed.pairs(self.incarnation)
+
+    def _wait_at(self, position: int) -> None:
+        assert self._marks is not None  # a fed source's writer
+        self._marks.wait_at(self.wid, position)
 
     def took(self, item: int, tokens: list[Any]) -> None:
         """Not fed: the worker took ``tokens`` for ``item`` from its source (told before it loads them)."""

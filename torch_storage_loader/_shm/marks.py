@@ -7,7 +7,9 @@ reaches it, and so knows which of the handles it gave that worker the item holds
 per item. A word per item, in a ring per worker: a worker is never more items ahead of the trainer
 than the DataLoader's prefetch allows, so a ring a little longer than that is never overwritten
 before it is read. Two more words per worker hold its last mark of the current and of the previous
-iteration (persistent workers start one per epoch), for what an iteration read and never delivered.
+iteration (persistent workers start one per epoch), for what an iteration read and never delivered,
+and one where it last waited for more, having read all it was given (when the source ended, the
+trainer says so once nothing it gave can still come back).
 
 Aligned 8-byte words, each written by one process only: a reader sees the old value or the new,
 and sees the new once it has received the item the worker sent after writing it.
@@ -21,7 +23,7 @@ from .segments import ShmSegment
 
 __all__ = ["FeedMarks"]
 
-_LAST = 2  # words per worker before its ring: its last mark, by the parity of its iteration
+_WAITING, _RING = 2, 3  # per worker: its last mark by the parity of its iteration (0, 1), where it waits, its ring
 
 
 class FeedMarks:
@@ -31,7 +33,7 @@ class FeedMarks:
         if workers < 1 or ring < 1:
             raise ValueError(f"{workers=} and {ring=} must be >= 1")
         self.workers, self.ring = workers, ring
-        self._row = _LAST + ring
+        self._row = _RING + ring
         self.segment = segment or ShmSegment(workers * self._row * 8, purpose="the delivery ledger's feed marks")
         self._words = memoryview(self.segment.mm).cast("q")
 
@@ -41,12 +43,20 @@ class FeedMarks:
     def reached(self, worker: int, iteration: int, item: int, position: int) -> None:
         """In worker ``worker``: its item ``item`` of iteration ``iteration`` ends at feed position ``position``."""
         row = worker * self._row
-        self._words[row + _LAST + item % self.ring] = position
+        self._words[row + _RING + item % self.ring] = position
         self._words[row + iteration % 2] = position
 
     def item(self, worker: int, item: int) -> int:
         """In the trainer: where worker ``worker``'s item ``item`` ends (read once the item arrived)."""
-        return self._words[worker * self._row + _LAST + item % self.ring]
+        return self._words[worker * self._row + _RING + item % self.ring]
+
+    def wait_at(self, worker: int, position: int) -> None:
+        """In worker ``worker``: it read all it was given up to ``position`` and waits for more."""
+        self._words[worker * self._row + _WAITING] = position
+
+    def waiting_at(self, worker: int) -> int:
+        """In the trainer: where worker ``worker`` last waited for more (stale once it reads on)."""
+        return self._words[worker * self._row + _WAITING]
 
     def latest(self, worker: int) -> int:
         """In the trainer: worker ``worker``'s last mark so far (marks only grow)."""

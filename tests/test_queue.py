@@ -135,6 +135,39 @@ def test_a_consumer_learns_that_the_owner_is_gone():
     assert not pid_alive(consumer)
 
 
+def _put_until_refused(q: StorageQueue, out) -> None:
+    """Puts handles until a put raises; reports what it raised."""
+    try:
+        for i in range(10**9):
+            q.put(FileStorage(f"sample-{i:06d}.tsl"))
+            if i == 10:
+                out.put("putting")
+    except Exception as e:  # noqa: BLE001 - reported to the test whatever it is
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def _owner_that_leaves_a_producer(out) -> None:
+    """Makes a queue, starts a producer putting into it, and exits without closing it."""
+    q = StorageQueue()
+    producer = mp.get_context("spawn").Process(target=_put_until_refused, args=(q, out))
+    producer.start()
+    assert out.get(timeout=60) == "putting"
+    os._exit(0)
+
+
+def test_a_producer_learns_that_the_owner_is_gone():
+    """A producer whose queue's owner exited gets the library's error naming the owner, not a bare
+    BrokenPipeError from the pipe nothing reads any more."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    owner = ctx.Process(target=_owner_that_leaves_a_producer, args=(out,))
+    owner.start()
+    owner.join(60)
+    message = out.get(timeout=30)
+    assert message.startswith("StorageError: the process that made this StorageQueue"), message
+    assert f"(pid {owner.pid})" in message
+
+
 def _pass_on(q: StorageQueue) -> None:
     """A spawned process hands the queue it was given to a process it starts (a DDP rank's workers)."""
     child = mp.get_context("spawn").Process(target=_put_many, args=(q, 0, 5))

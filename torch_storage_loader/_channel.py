@@ -129,6 +129,13 @@ class Channel:
             while rest:
                 try:
                     rest = rest[os.write(fd, rest) :]
+                except BrokenPipeError:  # nothing reads the inbox any more: the owner went
+                    self.check_owner()
+                    raise StorageError(  # the owner lives: its queue was dropped there
+                        f"the process that made this StorageQueue (pid {self.owner}) no longer reads it: "
+                        "it is exiting, or it dropped the queue; keep the queue referenced in that process "
+                        "for as long as the stream runs"
+                    ) from None
                 except BlockingIOError:
                     # The owner's relay reads this pipe as fast as it fills; waiting means it is
                     # busy, or gone.

@@ -387,6 +387,69 @@ def test_a_failed_dataloader_batch_gives_its_good_samples_back(tmp_path):
     assert sorted(os.listdir(d)) == ["0017.tsl.failed", "_END_OF_STREAM"]
 
 
+def _ragged_stream(tmp_path, kind: str, n: int = 40):
+    """``n`` samples whose lengths differ (1 to 3 steps), in a closed queue or an ended directory."""
+    d = str(tmp_path / "dir")
+    os.makedirs(d)
+    handles = []
+    for i in range(n):
+        path = os.path.join(d, f"{i:04d}.tsl")
+        FileStorage(path + ".part").save(traj(i, n=1 + i % 3))
+        os.rename(path + ".part", path)
+        handles.append(FileStorage(path))
+    if kind == "directory":
+        end_directory_stream(d)
+        return d, d
+    q = StorageQueue()
+    for h in handles:
+        q.put(h)
+    q.close()
+    return q, d
+
+
+@pytest.mark.parametrize("kind", ["queue", "directory"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_that_cannot_be_stacked_gives_every_handle_back(tmp_path, kind, num_workers):
+    """Samples whose shapes differ, batched by the dataset: the error says so, and the files are sound,
+    so nothing is set aside as failed; the same stream read with the fix delivers every sample."""
+    source, d = _ragged_stream(tmp_path, kind)
+    timeout = 60 if num_workers else 0
+    with pytest.raises(StorageError, match="cannot stack the batch"):
+        for _ in DataLoader(
+            StorageDataset(source, batch_size=8), batch_size=None, num_workers=num_workers, timeout=timeout
+        ):
+            pass
+    gc.collect()  # the traceback held the iterator: collected, it gives back what its workers held
+    assert not [n for n in os.listdir(d) if n.endswith(".failed")]
+    fixed = DataLoader(StorageDataset(source), batch_size=None, num_workers=num_workers, timeout=timeout)
+    assert sorted(i for item in fixed for i in _ids(item)) == list(range(40))
+    if kind == "directory":
+        assert os.listdir(d) == ["_END_OF_STREAM"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bad_file_in_a_failed_dataset_batch_is_the_only_one_set_aside(tmp_path, num_workers):
+    """Under on_error="raise", a dataset batch holding a damaged file raises naming it; that file is
+    kept as failed, and the good files batched with it are delivered by the next run."""
+    d = str(tmp_path / "dir")
+    _save_all(d, n=40)
+    with open(os.path.join(d, "0017.tsl"), "r+b") as f:
+        f.truncate(100)
+    end_directory_stream(d)
+    timeout = 60 if num_workers else 0
+    got: list[int] = []
+    with pytest.raises(StorageError, match="0017"):
+        for item in DataLoader(
+            StorageDataset(d, batch_size=8), batch_size=None, num_workers=num_workers, timeout=timeout
+        ):
+            got += _ids(item)
+    gc.collect()
+    again = DataLoader(StorageDataset(d, batch_size=8), batch_size=None, num_workers=num_workers, timeout=timeout)
+    got += [i for item in again for i in _ids(item)]
+    assert sorted(got) == [i for i in range(40) if i != 17]
+    assert sorted(os.listdir(d)) == ["0017.tsl.failed", "_END_OF_STREAM"]
+
+
 def test_many_handles_in_flight_never_block_a_worker(tmp_path):
     """Each handle a worker takes is written to the trainer's ledger: far more than a pipe holds here."""
     q = StorageQueue()

@@ -131,7 +131,10 @@ class StorageDataset(IterableDataset[Any]):
             With ``batch_size``, a batch loses only the files that fail on their own, and comes with
             fewer samples (the batches are fixed groups of handles, as ``len()`` and resuming count
             them); it is skipped whole only where its samples cannot be stacked together or
-            ``collate_fn`` fails.
+            ``collate_fn`` fails. Under ``"raise"``, a streaming source keeps the files at fault
+            as failed (a directory's as ``NAME.failed``) and gets the others back: an error about
+            how samples combine or where they go (they cannot be stacked, ``collate_fn``, shared or
+            device memory too small) sets no file aside, so a run with the fix delivers them all.
         shuffle: Draw a new order each epoch from ``(seed, epoch)``; finite sources only.
         seed: The seed of the shuffled order, the same on every rank.
         storage_options: fsspec options (credentials, endpoint) for the buckets this dataset names.

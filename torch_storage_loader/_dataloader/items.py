@@ -35,7 +35,13 @@ from .._proc import fork_safe_lock
 from .._shm.alloc import check_slot_options
 from .._shm.filling import FillInfo, LocalFiller, SlotFiller
 from .._shm.segments import default_shm_budget
-from ..errors import ShmTransportError, StorageError
+from ..errors import (
+    InsufficientSharedMemoryError,
+    SampleMismatchError,
+    SampleTooLargeForDeviceError,
+    ShmTransportError,
+    StorageError,
+)
 from ..storage import Storage
 from . import hooks
 
@@ -343,6 +349,24 @@ class Reader:
             raise _AllSkipped
         return filler.fill_batch(rest, opts.collate_fn)
 
+    def at_fault(self, group: list[Any], error: Exception) -> list[int]:
+        """The positions in ``group`` whose own file made its load raise ``error`` (``on_error="raise"``):
+        those are set aside as failed, and the others go back to their source, so a run with the fix
+        delivers them. None is at fault for an error about how the samples were combined or where
+        they go (they cannot be stacked, ``collate_fn`` raised, shared or device memory is too small):
+        every handle goes back. In a batch, each handle is read again on its own, as under ``"skip"``."""
+        if isinstance(error, _NOT_THE_FILES):
+            return []
+        if len(group) == 1:
+            return [0]
+        assert self.filler is not None  # loading runs in run
+        out = []
+        for i, storage in enumerate(group):
+            alone = self._fails_alone(storage, self.filler)
+            if alone is not None and not isinstance(alone, _NOT_THE_FILES):
+                out.append(i)
+        return out
+
     def _fails_alone(self, storage: Storage, filler: SlotFiller) -> Exception | None:
         """Why ``storage`` cannot be loaded on its own (None: it can), read as ``fill_batch`` reads it, into
         private memory bounded as ``filler`` bounds a batch, then dropped: no slot, no device."""
@@ -354,6 +378,10 @@ class Reader:
         except Exception as exc:  # noqa: BLE001 - the reason it is skipped, logged
             return exc
         return None
+
+
+# Errors that say nothing against the files loaded: their handles go back (see Reader.at_fault).
+_NOT_THE_FILES = (SampleMismatchError, InsufficientSharedMemoryError, SampleTooLargeForDeviceError)
 
 
 class _AllSkipped(Exception):

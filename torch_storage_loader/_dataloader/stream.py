@@ -142,9 +142,11 @@ class Stream:
         dropped: list[int] = []  # positions skipped (on_error="skip"): settled as failed, never delivered
         try:
             out = self.reader.load([s for _, s in group], dropped)
-        except Exception:
-            failed(tokens)
-            group.clear()  # settled: nothing to give back
+        except Exception as exc:  # on_error="raise" ("skip" returns SKIP)
+            bad = self.reader.at_fault([s for _, s in group], exc)
+            if bad:
+                failed([tokens[i] for i in bad])
+            group[:] = [g for i, g in enumerate(group) if i not in bad]  # the rest go back: sound files
             raise
         # Anything else (KeyboardInterrupt, the worker stopping) leaves them taken: they go back.
         if dropped:

@@ -450,6 +450,88 @@ def test_a_bad_file_in_a_failed_dataset_batch_is_the_only_one_set_aside(tmp_path
     assert sorted(os.listdir(d)) == ["0017.tsl.failed", "_END_OF_STREAM"]
 
 
+def _closed_queue(handles) -> StorageQueue:
+    q = StorageQueue()
+    for h in handles:
+        q.put(h)
+    q.close()
+    return q
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_stream_that_ends_inside_a_dataloader_batch_ends_it(tmp_path, drop_last):
+    """DataLoader-side batching over a fed source whose end falls inside a batch: the worker, holding
+    half a batch, is told the end (it used to wait for that batch to reach the trainer first, for
+    ever), and the short batch comes out or, with drop_last, its handle goes back."""
+    q = _closed_queue(_save_all(tmp_path / "files", n=5))
+    dl = DataLoader(StorageDataset(q), batch_size=2, drop_last=drop_last, num_workers=1, timeout=30)
+    got = sorted(i for batch in dl for i in _ids(batch))
+    assert got == ([0, 1, 2, 3] if drop_last else [0, 1, 2, 3, 4])
+    del dl
+    gc.collect()
+    assert [int(h.path[-8:-4]) for h in q] == ([4] if drop_last else [])
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_persistent_workers_stopped_while_waiting_for_handles_start_again(tmp_path, closed):
+    """Persistent workers, a loop that breaks while its worker waits for a handle for its next item
+    (the stream ended, or is idle): the next loop starts at once (the worker used to wait on in the
+    old iteration, and torch for its acknowledgement, for ever) and delivers the rest."""
+    hs = _save_all(tmp_path / "files", n=3)
+    q = StorageQueue()
+    for h in hs[:2] if closed else hs[:1]:
+        q.put(h)
+    if closed:
+        q.close()
+    dl = DataLoader(StorageDataset(q), batch_size=None, num_workers=1, persistent_workers=True, timeout=30)
+    got = []
+    for item in dl:
+        got += _ids(item)
+        time.sleep(0.5)  # the worker goes on to its next item, and waits for a handle
+        break
+    it = iter(dl)
+    if not closed:
+        q.put(hs[2])
+        q.close()
+    got += [i for item in it for i in _ids(item)]
+    assert sorted(got) == ([0, 1] if closed else [0, 2])
+    del it, dl
+
+
+def test_a_worker_that_skips_all_it_holds_is_fed_again(tmp_path, caplog):
+    """on_error="skip", one worker: a run of handles that fail, longer than what it holds, between
+    good ones. Skipping them makes no item, so the trainer learns it holds nothing from its reports
+    of what it skipped (it used to learn that from arriving items only, and the stream stalled)."""
+    good = _save_all(tmp_path / "files", n=30)
+    bad = [FileStorage(str(tmp_path / f"missing-{i}.tsl")) for i in range(40)]
+    ds = StorageDataset(_closed_queue([good[0], *bad, *good[1:]]), on_error="skip")
+    got = [i for item in DataLoader(ds, batch_size=None, num_workers=1, timeout=30) for i in _ids(item)]
+    assert sorted(got) == list(range(30))
+    assert ds.stats()["skipped"] == 40
+
+
+def test_two_iterators_over_one_directory_dataset_share_its_files(tmp_path):
+    """Two DataLoader iterators over one StorageDataset of a directory at once (an old one still held,
+    say, by an exception's traceback): each file reaches one of them, once (their feeders used to
+    share one claim loop unguarded: "generator already executing")."""
+    d = str(tmp_path / "dir")
+    _save_all(d, n=400)
+    end_directory_stream(d)
+    ds = StorageDataset(d)
+    its = [iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=30)) for _ in range(2)]
+    got: list[int] = []
+    live = list(its)
+    while live:
+        for it in list(live):
+            try:
+                got += _ids(next(it))
+            except StopIteration:
+                live.remove(it)
+    assert sorted(got) == list(range(400))
+    del its, live, it
+    assert os.listdir(d) == ["_END_OF_STREAM"]
+
+
 def test_many_handles_in_flight_never_block_a_worker(tmp_path):
     """Each handle a worker takes is written to the trainer's ledger: far more than a pipe holds here."""
     q = StorageQueue()

@@ -98,6 +98,7 @@ class Feeder:
         self._done = False  # the source ended (or failed) for this incarnation, and the workers were told
         self._ending: tuple[Any, ...] | None = None  # its end, not told to every worker yet: see _drained
         self._told: set[int] = set()  # the workers told it
+        self._leaving = False  # the trainer starts the next iteration: tell every worker this one's end now
         self._stopped = self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
@@ -137,13 +138,26 @@ class Feeder:
         """Worker ``worker`` settled ``tokens`` itself (they failed to load): never acknowledged or given back."""
         with self._cond:
             self._settled[worker].update(tokens)
+            if self._unread(worker) <= self._low:
+                self._cond.notify()  # it may have skipped all it held: no item arrives to say so (_upto)
 
     def restart(self, incarnation: int) -> None:
         """Persistent workers began iteration ``incarnation``: take from the source again (what was
         given back before this call is taken again). Handles still in a feed stay given."""
         with self._cond:
             self._incarnation, self._done, self._ending, self._told = incarnation, False, None, set()
+            self._leaving = False
             self._cond.notify()
+
+    def end_iteration(self) -> None:
+        """The trainer is about to start the next iteration of persistent workers: tell each worker
+        the end of this one now, whatever it holds or waits for, and feed no more until ``restart``.
+        (What they read in it and never delivered goes back then; what they hold unread stays given,
+        and they read it first in the next.)"""
+        with self._cond:
+            if not self._done:
+                self._leaving = True
+                self._cond.notify()
 
     def stop(self) -> None:
         """Stop taking and tell every worker to stop (idempotent); what a pipe had no room for is
@@ -197,8 +211,13 @@ class Feeder:
         with self._cond:
             if self._stopped:
                 return False
+            if self._leaving and self._ending is None:
+                self._ending = (END, self._incarnation)
             ending = self._ending
-            tell = [w for w in range(len(self._feeds)) if self._drained(w)] if ending is not None else []
+            if self._leaving:
+                tell = [w for w in range(len(self._feeds)) if w not in self._told]
+            else:
+                tell = [w for w in range(len(self._feeds)) if self._drained(w)] if ending is not None else []
             if tell:
                 self._told.update(tell)
                 if len(self._told) == len(self._feeds):
@@ -295,10 +314,12 @@ class Feeder:
         source, to be fed again in this iteration), so the source's end is not told it yet. (Each
         worker apart: the trainer waiting on one worker's item may hold back the others'.)"""
         given = self._given[w]
-        if w in self._told or self.marks.waiting_at(w) != self._base[w] + len(given):
+        waiting, complete = self.marks.waiting_at(w)
+        if w in self._told or waiting != self._base[w] + len(given):
             return False
         settled = collections.Counter(self._settled[w])
-        for t in itertools.islice(given, max(0, self.marks.latest(w) - self._base[w])):
+        # Not the item it is making (DataLoader-side batching): that one goes out once it is told.
+        for t in itertools.islice(given, max(0, complete - self._base[w])):
             if settled[t] <= 0:
                 return False  # in an item on its way
             settled[t] -= 1

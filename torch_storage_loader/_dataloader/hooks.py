@@ -334,8 +334,10 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):
-        reset(self, loader, first_iter, *args, **kwargs)
         ledger = getattr(self, "_tsl_ledger", None)
+        if ledger is not None and not first_iter:
+            ledger.end_iteration()  # fed workers leave the last one, to take torch's message to start anew
+        reset(self, loader, first_iter, *args, **kwargs)
         if ledger is not None and not first_iter:
             ledger.next_incarnation()
 

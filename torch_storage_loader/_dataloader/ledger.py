@@ -144,6 +144,13 @@ class Ledger:
         for r in self._feeds or ():
             r.close()
 
+    def end_iteration(self) -> None:
+        """Persistent workers are about to start the next iteration: the feeder tells each the end of
+        this one at once (a no-op unless fed). torch drops whatever they send until they acknowledge
+        the next, and a worker waiting for handles would never take torch's message to start it."""
+        if self._feeder is not None:
+            self._feeder.end_iteration()
+
     def stop_feeding(self) -> None:
         """Before the workers are shut down: they stop waiting for handles (a no-op unless fed)."""
         if self._feeder is not None:
@@ -377,9 +384,12 @@ class LedgerWriter:
         self.ledger_id, self._conn, self.incarnation = ref.id, ref.writers[wid], -1
         self.wid, self._marks = wid, ref.marks
         self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid, self._wait_at)
+        self.complete = 0  # fed: the feed position up to which what it read is in items it finished
 
     def restart(self) -> None:
         self.incarnation += 1
+        if self.feed is not None:
+            self.complete = self.feed.position  # the last iteration's unfinished item is over
 
     def fed(self) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""
@@ -388,7 +398,12 @@ class LedgerWriter:
 
     def _wait_at(self, position: int) -> None:
         assert self._marks is not None  # a fed source's writer
-        self._marks.wait_at(self.wid, position)
+        self._marks.wait_at(self.wid, position, self.complete)
+
+    def finished(self) -> None:
+        """Fed: every item that holds what the worker read so far went out (sent, or skipped)."""
+        assert self.feed is not None  # a fed source's writer
+        self.complete = self.feed.position
 
     def took(self, item: int, tokens: list[Any]) -> None:
         """Not fed: the worker took ``tokens`` for ``item`` from its source (told before it loads them)."""

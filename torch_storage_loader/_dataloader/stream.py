@@ -104,6 +104,9 @@ class Stream:
                 if item is not SKIP:
                     made += 1
                     yield item
+                if fed and made % per_item == 0:  # (resumed after a yield: torch sent the item)
+                    assert writer is not None
+                    writer.finished()
             if unmarked:  # a last, short group, kept or dropped
                 self._mark(writer, made // per_item)
                 unmarked = False

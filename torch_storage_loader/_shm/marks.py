@@ -8,8 +8,9 @@ per item. A word per item, in a ring per worker: a worker is never more items ah
 than the DataLoader's prefetch allows, so a ring a little longer than that is never overwritten
 before it is read. Two more words per worker hold its last mark of the current and of the previous
 iteration (persistent workers start one per epoch), for what an iteration read and never delivered,
-and one where it last waited for more, having read all it was given (when the source ended, the
-trainer says so once nothing it gave can still come back).
+and two where it last waited for more, having read all it was given, and how far the items it
+finished went then (when the source ended, the trainer says so once nothing it gave can still come
+back: an item it made may yet fail on its way into the trainer, and its handles go back).
 
 Aligned 8-byte words, each written by one process only: a reader sees the old value or the new,
 and sees the new once it has received the item the worker sent after writing it.
@@ -23,7 +24,9 @@ from .segments import ShmSegment
 
 __all__ = ["FeedMarks"]
 
-_WAITING, _RING = 2, 3  # per worker: its last mark by the parity of its iteration (0, 1), where it waits, its ring
+# Per worker: its last mark by the parity of its iteration (0, 1), where it waits, how far what it read
+# is in items it finished (sent or skipped), its ring.
+_WAITING, _COMPLETE, _RING = 2, 3, 4
 
 
 class FeedMarks:
@@ -50,13 +53,19 @@ class FeedMarks:
         """In the trainer: where worker ``worker``'s item ``item`` ends (read once the item arrived)."""
         return self._words[worker * self._row + _RING + item % self.ring]
 
-    def wait_at(self, worker: int, position: int) -> None:
-        """In worker ``worker``: it read all it was given up to ``position`` and waits for more."""
-        self._words[worker * self._row + _WAITING] = position
+    def wait_at(self, worker: int, position: int, complete: int) -> None:
+        """In worker ``worker``: it read all it was given up to ``position`` and waits for more; what
+        it read up to ``complete`` is in items it finished (the rest, in the item it is making)."""
+        row = worker * self._row
+        self._words[row + _COMPLETE] = complete  # first: whoever sees the new position sees it too
+        self._words[row + _WAITING] = position
 
-    def waiting_at(self, worker: int) -> int:
-        """In the trainer: where worker ``worker`` last waited for more (stale once it reads on)."""
-        return self._words[worker * self._row + _WAITING]
+    def waiting_at(self, worker: int) -> tuple[int, int]:
+        """In the trainer: where worker ``worker`` last waited for more (stale once it reads on), and
+        how far what it had read then was in items it finished."""
+        row = worker * self._row
+        position = self._words[row + _WAITING]
+        return position, self._words[row + _COMPLETE]
 
     def latest(self, worker: int) -> int:
         """In the trainer: worker ``worker``'s last mark so far (marks only grow)."""

@@ -9,6 +9,7 @@ import os
 import pickle
 import queue as _queue
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -109,9 +110,16 @@ class DirectorySource:
         self._refused: set[str] = set()
         self._taking: Iterator[tuple[Any, Storage] | None] | None = None  # the trainer's claims (take_pickled)
         self._fed: dict[bytes, str] = {}  # a pickled handle fed -> its claim, until settled
+        self._take_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "refused": 0, "_refused": set(), "_taking": None, "_fed": {}}
+        state = {**self.__dict__, "refused": 0, "_refused": set(), "_taking": None, "_fed": {}}
+        del state["_take_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._take_lock = threading.Lock()
 
     def _refuse(self, name: str, why: str) -> None:
         if name in self._refused:
@@ -156,27 +164,30 @@ class DirectorySource:
         Raises:
             queue.Empty: Nothing landed within ``timeout`` seconds.
         """
-        if self._taking is None:
-            self._taking = claim_loop(self, 0, 1, wait=False)  # (spread is False: shards do not matter)
-        deadline, out = time.monotonic() + timeout, []
-        for got in self._taking:
-            if got is not None:
-                # A FileStorage is a path: plain pickle (3 us) suffices; ForkingPickler (10 us, a
-                # copy of its reducer table per call) is for what holds descriptors or tensors.
-                data = pickle.dumps(got[1], pickle.HIGHEST_PROTOCOL)
-                self._fed[data] = got[0]
-                out.append(data)
-                if len(out) < most:
-                    continue
-                return out
+        deadline, out = time.monotonic() + timeout, list[bytes]()
+        while True:
+            with self._take_lock:  # one claim loop, which two iterators of the same dataset may share
+                if self._taking is None:
+                    self._taking = claim_loop(self, 0, 1, wait=False)  # (spread is False: shards do not matter)
+                got = next(self._taking, _ENDED)
+                if got is _ENDED:
+                    self._taking = None  # ended: a restart (the next epoch) looks again
+                    return out or None
+                if isinstance(got, tuple):  # (None: nothing to claim now)
+                    # A FileStorage is a path: plain pickle (3 us) suffices; ForkingPickler (10 us, a
+                    # copy of its reducer table per call) is for what holds descriptors or tensors.
+                    data = pickle.dumps(got[1], pickle.HIGHEST_PROTOCOL)
+                    self._fed[data] = got[0]
+                    out.append(data)
+                    if len(out) < most:
+                        continue
+                    return out
             if out:
                 return out
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _queue.Empty
             time.sleep(min(self.poll_interval, left))
-        self._taking = None  # ended: a restart (the next epoch) looks again
-        return out or None
 
     def _claims_of(self, tokens: list[Any]) -> list[str]:
         """The claims ``tokens`` stand for: a claim's path (``iterate``) or a pickled handle fed (``take_pickled``)."""
@@ -333,6 +344,7 @@ def _errno_name(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, str(exc.errno))
 
 
+_ENDED = object()  # what next() gives for a claim loop that ended
 _CLAIM_TAIL = re.compile(r"(.+)-([0-9]{1,7})-([0-9]{1,7})")  # HOST (may hold dashes)-FAMILY-PID
 
 

@@ -17,6 +17,7 @@ from conftest import traj
 from torch.utils.data import DataLoader
 
 from torch_storage_loader import FileStorage, StorageDataset, StorageError, StorageQueue, end_directory_stream
+from torch_storage_loader.errors import StorageUnavailableError
 
 N = 600
 
@@ -425,6 +426,38 @@ def test_a_batch_that_cannot_be_stacked_gives_every_handle_back(tmp_path, kind, 
     assert sorted(i for item in fixed for i in _ids(item)) == list(range(40))
     if kind == "directory":
         assert os.listdir(d) == ["_END_OF_STREAM"]
+
+
+class _Unreachable(FileStorage):
+    """A handle whose store is down: loading it raises what an outage raises."""
+
+    def load(self):
+        raise StorageUnavailableError(f"{self.path}: the store did not answer (an outage)")
+
+
+def _key_error(samples):
+    raise KeyError("a collate_fn bug")
+
+
+@pytest.mark.parametrize("case", ["collate_fn bug, batches of 1", "store unreachable"])
+def test_an_error_that_is_no_files_fault_sets_none_aside(tmp_path, case):
+    """A collate_fn that raises (even over batches of one) or an unreachable store says nothing
+    against the files: under on_error="raise" their handles go back, none is set aside as failed, and
+    none is read again one by one (an outage would be waited out once more per handle)."""
+    hs = _save_all(tmp_path / "files", n=4)
+    if case == "store unreachable":
+        hs = [_Unreachable(h.path) for h in hs]
+        ds = StorageDataset(_closed_queue(hs), batch_size=4)
+        expected: type[Exception] = StorageUnavailableError
+    else:
+        ds = StorageDataset(_closed_queue(hs), batch_size=1, collate_fn=_key_error)
+        expected = KeyError
+    q = ds.source.queue
+    with pytest.raises(expected):
+        for _ in DataLoader(ds, batch_size=None, num_workers=1, timeout=30):
+            pass
+    gc.collect()
+    assert sorted(h.path for h in q) == sorted(h.path for h in hs)  # all back, none failed
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

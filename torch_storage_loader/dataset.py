@@ -134,7 +134,8 @@ class StorageDataset(IterableDataset[Any]):
             ``collate_fn`` fails. Under ``"raise"``, a streaming source keeps the files at fault
             as failed (a directory's as ``NAME.failed``) and gets the others back: an error about
             how samples combine or where they go (they cannot be stacked, ``collate_fn``, shared or
-            device memory too small) sets no file aside, so a run with the fix delivers them all.
+            device memory too small), or an unreachable store, sets no file aside, so a run with the
+            fix delivers them all.
         shuffle: Draw a new order each epoch from ``(seed, epoch)``; finite sources only.
         seed: The seed of the shuffled order, the same on every rank.
         storage_options: fsspec options (credentials, endpoint) for the buckets this dataset names.

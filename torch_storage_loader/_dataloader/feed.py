@@ -98,6 +98,7 @@ class Feeder:
         self._done = False  # the source ended (or failed) for this incarnation, and the workers were told
         self._ending: tuple[Any, ...] | None = None  # its end, not told to every worker yet: see _drained
         self._told: set[int] = set()  # the workers told it
+        self._returning = 0  # items failed on their way in whose handles are going back to the source
         self._leaving = False  # the trainer starts the next iteration: tell every worker this one's end now
         self._stopped = self._closing = False
         self._cond = threading.Condition()
@@ -105,10 +106,23 @@ class Feeder:
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the ledger
-    def in_item(self, worker: int, item: int) -> list[bytes]:
+    def in_item(self, worker: int, item: int, *, returning: bool = False) -> list[bytes]:
         """The handles in worker ``worker``'s item ``item`` of this iteration, which just reached the
-        trainer (the worker's mark for it says how far they go); forgotten here. Nothing once closed."""
-        return [] if self._closing else self._upto(worker, self.marks.item(worker, item))
+        trainer (the worker's mark for it says how far they go); forgotten here. Nothing once closed.
+        ``returning``: the item failed on its way in, and the caller gives its handles back to the
+        source, then calls ``returned``; until then no worker is told the source's end."""
+        if self._closing:
+            return []
+        if returning:
+            with self._cond:
+                self._returning += 1
+        return self._upto(worker, self.marks.item(worker, item))
+
+    def returned(self) -> None:
+        """The handles of an item ``in_item`` was told is ``returning`` are back in the source."""
+        with self._cond:
+            self._returning -= 1
+            self._cond.notify()
 
     def read_in(self, incarnation: int) -> list[bytes]:
         """The handles the workers read in ``incarnation`` (now over) in no item that reached the trainer."""
@@ -217,7 +231,8 @@ class Feeder:
             if self._leaving:
                 tell = [w for w in range(len(self._feeds)) if w not in self._told]
             else:
-                tell = [w for w in range(len(self._feeds)) if self._drained(w)] if ending is not None else []
+                telling = ending is not None and not self._returning  # (a handle going back is fed first)
+                tell = [w for w in range(len(self._feeds)) if self._drained(w)] if telling else []
             if tell:
                 self._told.update(tell)
                 if len(self._told) == len(self._feeds):

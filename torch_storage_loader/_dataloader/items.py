@@ -41,6 +41,7 @@ from ..errors import (
     SampleTooLargeForDeviceError,
     ShmTransportError,
     StorageError,
+    StorageUnavailableError,
 )
 from ..storage import Storage
 from . import hooks
@@ -354,11 +355,15 @@ class Reader:
         those are set aside as failed, and the others go back to their source, so a run with the fix
         delivers them. None is at fault for an error about how the samples were combined or where
         they go (they cannot be stacked, ``collate_fn`` raised, shared or device memory is too small):
-        every handle goes back. In a batch, each handle is read again on its own, as under ``"skip"``."""
+        every handle goes back; so too where the store is unreachable (an outage is no file's fault,
+        and reading each again would wait out the retries once more per handle). In a dataset batch,
+        even of one, each handle is read again on its own, as under ``"skip"`` (a file whose shape
+        differs from its batch's loads alone: it goes back with the others, and raises again until
+        ``collate_fn=`` or ``on_error="skip"`` deals with it)."""
         if isinstance(error, _NOT_THE_FILES):
             return []
-        if len(group) == 1:
-            return [0]
+        if self.opts.batch_size is None:
+            return [0]  # a sample loaded alone: its file is at fault
         assert self.filler is not None  # loading runs in run
         out = []
         for i, storage in enumerate(group):
@@ -381,7 +386,12 @@ class Reader:
 
 
 # Errors that say nothing against the files loaded: their handles go back (see Reader.at_fault).
-_NOT_THE_FILES = (SampleMismatchError, InsufficientSharedMemoryError, SampleTooLargeForDeviceError)
+_NOT_THE_FILES = (
+    SampleMismatchError,
+    InsufficientSharedMemoryError,
+    SampleTooLargeForDeviceError,
+    StorageUnavailableError,
+)
 
 
 class _AllSkipped(Exception):

@@ -243,15 +243,19 @@ class Ledger:
             self._yielded[worker] += 1
             key = ItemKey(worker, self._incarnation, self._yielded[worker] - 1)
             if self._feeder is not None:
-                self._taken[key] = self._feeder.in_item(worker, key.item)
+                self._taken[key] = self._feeder.in_item(worker, key.item, returning=not ok and not skipped)
             if ok and not skipped:
                 self._handing.append(key)
                 return
             tokens = self._pop([key])  # the item is an exception: what it took never reaches the trainer
         if skipped:
             self.source.fail(tokens)
-        else:
+            return
+        try:
             self._settle([], tokens)
+        finally:
+            if self._feeder is not None:  # (ok is False here)
+                self._feeder.returned()
 
     def handed(self) -> None:
         """The iterator returned the items processed since the last call to the trainer's code.

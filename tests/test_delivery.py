@@ -6,6 +6,7 @@ import gc
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -218,6 +219,30 @@ def test_an_open_queue_feeds_the_worker_the_trainer_waits_on(tmp_path, n, batch_
         q.put(s)
     it = iter(DataLoader(StorageDataset(q, batch_size=batch_size), batch_size=None, num_workers=2, timeout=30))
     got = [i for _ in range(n // (batch_size or 1)) for i in _ids(next(it))]
+    assert sorted(got) == list(range(n))
+    q.close()
+    assert list(it) == []
+
+
+@pytest.mark.parametrize("batch_size", [3, 4])
+def test_handles_that_trickle_in_make_whole_items(tmp_path, batch_size):
+    """Handles put one at a time into an open queue are shared out so that every item's worth of them
+    makes an item while the stream is still open, not split across the workers as parts of items
+    none can make (the trainer then waited on handles the workers held)."""
+    n = 3 * batch_size
+    q = StorageQueue()
+    handles = _save_all(tmp_path / "files", n=n)
+    it = iter(DataLoader(StorageDataset(q, batch_size=batch_size), batch_size=None, num_workers=2, timeout=30))
+
+    def trickle() -> None:
+        for s in handles:
+            q.put(s)
+            time.sleep(0.03)
+
+    feeder = threading.Thread(target=trickle)
+    feeder.start()
+    got = [i for _ in range(3) for i in _ids(next(it))]
+    feeder.join()
     assert sorted(got) == list(range(n))
     q.close()
     assert list(it) == []

@@ -94,6 +94,7 @@ class Feeder:
         self._base = [0] * len(feeds)  # the feed position of each _given's first handle
         self._settled: list[collections.Counter[bytes]] = [collections.Counter() for _ in feeds]  # by the worker
         self._turn = 0  # the worker first in line among those that hold as few (see _share)
+        self._part = [0] * len(feeds)  # handles given to each past its last whole item's worth (see _share)
         self._incarnation = 0
         self._done = False  # the source ended (or failed) for this incarnation, and the workers were told
         self._ending: tuple[Any, ...] | None = None  # its end, not told to every worker yet: see _drained
@@ -111,11 +112,11 @@ class Feeder:
         trainer (the worker's mark for it says how far they go); forgotten here. Nothing once closed.
         ``returning``: the item failed on its way in, and the caller gives its handles back to the
         source, then calls ``returned``; until then no worker is told the source's end."""
-        if self._closing:
-            return []
-        if returning:
+        if returning:  # (counted even once closed: returned() follows)
             with self._cond:
                 self._returning += 1
+        if self._closing:
+            return []
         return self._upto(worker, self.marks.item(worker, item))
 
     def returned(self) -> None:
@@ -161,6 +162,8 @@ class Feeder:
         with self._cond:
             self._incarnation, self._done, self._ending, self._told = incarnation, False, None, set()
             self._leaving = False
+            # A new iteration groups from where each worker reads on: what it holds unread comes first.
+            self._part = [self._unread(w) % self._item for w in range(len(self._feeds))]
             self._cond.notify()
 
     def end_iteration(self) -> None:
@@ -274,13 +277,19 @@ class Feeder:
         feeding = [w for w in range(nw) if w not in self._told]  # (told the end: fed no more)
         i = 0
         while i < len(burst):
-            w = min(feeding, key=lambda v: (unread[v], (v - self._turn) % nw))
-            n = min(self._item, self._high - unread[w], len(burst) - i)  # > 0: the burst fits (see _step)
+            # A worker given part of an item's worth is given the rest first: handles that trickle in
+            # must not end up split across workers as parts of items none of them can make.
+            room = [v for v in feeding if unread[v] < self._high]  # (some: the burst fits, see _step)
+            partial = [v for v in room if self._part[v]]
+            w = partial[0] if partial else min(room, key=lambda v: (unread[v], (v - self._turn) % nw))
+            n = min(self._item - self._part[w], self._high - unread[w], len(burst) - i)
             shares.setdefault(w, []).extend(burst[i : i + n])
             self._given[w].extend(burst[i : i + n])
             unread[w] += n
             i += n
-            self._turn = (w + 1) % nw
+            self._part[w] = (self._part[w] + n) % self._item
+            if not self._part[w]:
+                self._turn = (w + 1) % nw
         return shares
 
     def _take(self, quota: int, incarnation: int) -> tuple[list[bytes], tuple[Any, ...] | None]:

@@ -332,17 +332,17 @@ class Feeder:
         self._send_all(msg)
 
     def _drained(self, w: int) -> bool:
-        """Whether worker ``w``, not told the end yet, waits having read all it was given, and its
-        items reached the trainer (those it skipped whole need not: it settled their handles), under
-        the lock. Until then one of those items may fail on its way (its handles go back to the
-        source, to be fed again in this iteration), so the source's end is not told it yet. (Each
-        worker apart: the trainer waiting on one worker's item may hold back the others'.)"""
+        """Whether worker ``w``, not told the end yet, waits having read all it was given, and the
+        items it finished reached the trainer (those it skipped whole need not: it settled their
+        handles; the one it is making goes out only once told), under the lock. Until then one of
+        those items may fail on its way (its handles go back to the source, to be fed again in this
+        iteration), so the source's end is not told it yet. (Each worker apart: the trainer waiting
+        on one worker's item may hold back the others'.)"""
         given = self._given[w]
         waiting, complete = self.marks.waiting_at(w)
         if w in self._told or waiting != self._base[w] + len(given):
             return False
         settled = collections.Counter(self._settled[w])
-        # Not the item it is making (DataLoader-side batching): that one goes out once it is told.
         for t in itertools.islice(given, max(0, complete - self._base[w])):
             if settled[t] <= 0:
                 return False  # in an item on its way

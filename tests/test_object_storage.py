@@ -203,6 +203,43 @@ def test_prefix_stream_stops_early_then_drains_exactly_once(s3_server, s3_bucket
     assert [e.url.rsplit("/", 1)[-1] for e in _objects.listing(prefix)] == ["_END_OF_STREAM"]
 
 
+_TRAINER_THEN_WORKERS = """
+import json, sys, time
+import numpy as np
+from torch.utils.data import DataLoader
+from torch_storage_loader import ObjectStorage, StorageDataset, configure_object_store, end_directory_stream
+from torch_storage_loader.file_loader import new_file_name
+
+import s3fs
+bucket, options = sys.argv[1], json.loads(sys.argv[2])
+s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(bucket)  # its own bucket first (the old code hung only then)
+prefix = f"s3://{bucket}/stream"
+configure_object_store(prefix, options)
+def save(i):
+    ObjectStorage(f"{prefix}/{new_file_name()}").save({"id": np.array(i), "obs": np.zeros((64, 4096), np.float32)})
+save(0)  # the trainer's connection, back in its pool when the workers fork
+it = iter(DataLoader(StorageDataset(prefix, storage_options=options), batch_size=None, num_workers=2))
+got = [int(next(it)["id"])]
+for i in (1, 2, 3):
+    save(i)
+    got.append(int(next(it)["id"]))
+end_directory_stream(prefix)
+got += [int(x["id"]) for x in it]
+print(got)
+"""
+
+
+def test_the_trainer_reaches_the_store_after_its_workers_forked(s3_server, s3_bucket):
+    """A trainer that used the store, then forked DataLoader workers that use it too, as a script:
+    it and its workers go on reaching the store. The workers used to close the connections they
+    inherited through a copy of the trainer's event loop, which shares its epoll instance: the
+    trainer's pooled socket was no longer watched, and a request on it waited for ever (or 60 s)."""
+    run = [sys.executable, "-c", _TRAINER_THEN_WORKERS, f"{s3_bucket}-own", json.dumps(s3_server.storage_options)]
+    out = subprocess.run(run, capture_output=True, timeout=90, text=True)  # seconds; it hung before
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "[0, 1, 2, 3]"
+
+
 def test_a_drained_prefix_stream_is_refused_until_started_anew(s3_server, s3_bucket):
     """Run again under the same prefix, a stream whose end marker an earlier run left is refused at
     once (the old code: a dataset that yields 0 samples in silence); ``start_directory_stream`` clears it."""

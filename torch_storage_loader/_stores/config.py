@@ -7,10 +7,11 @@ own defaults apply (they read the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDP
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 from .._optional import require
-from .._proc import fork_safe_lock
+from .._proc import after_fork_in_child, fork_safe_lock
 
 __all__ = [
     "Config",
@@ -120,3 +121,24 @@ def filesystem(url: str) -> Any:  # an fsspec AbstractFileSystem (fsspec has no 
     if proto in ("s3", "s3a"):
         require("s3fs", "s3", "Object storage (s3://)")
     return fsspec.filesystem(proto, **config_for(url).storage_options)  # cached per options and process
+
+
+_inherited: list[Any] = []  # in a forked child: the parent's fsspec instances, never to be closed here
+
+
+@after_fork_in_child
+def _keep_inherited_filesystems() -> None:
+    # A forked child (a DataLoader worker) holds copies of the parent's fsspec instances. fsspec drops
+    # them from its cache at the child's first use (it caches per process), and s3fs then closes
+    # their connections in the child, through a copy of the parent's event loop whose epoll instance
+    # the parent shares: that unregisters the parent's sockets from the parent's own loop, and its
+    # next request on one waits for a reply it is never told of (for ever, or a 60 s read timeout).
+    # Referenced here, they are never collected, so never closed, in the child.
+    spec = sys.modules.get("fsspec.spec")
+    if spec is None:
+        return
+    classes = [spec.AbstractFileSystem]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        _inherited.extend(vars(cls).get("_cache", {}).values())

@@ -14,6 +14,7 @@ import _helpers
 import numpy as np
 import pytest
 from _redis_server import EVERYWHERE, redis_server  # noqa: F401  (fixture)
+from _s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from conftest import traj
 from torch.utils.data import DataLoader
 
@@ -554,6 +555,98 @@ def test_persistent_workers_stopped_while_waiting_for_handles_start_again(tmp_pa
     got += [i for item in it for i in _ids(item)]
     assert sorted(got) == ([0, 1] if closed else [0, 2])
     del it, dl
+
+
+class _SelfTakingStream:
+    """A stream whose DataLoader workers take their handles themselves (no trainer feeds them): a
+    Redis stream on a real server, or an object-store prefix on a real S3 server. ``add(i)`` saves
+    sample ``i`` to it; ``end()`` ends it."""
+
+    def __init__(self, kind: str, request, tmp_path) -> None:
+        from torch_storage_loader import RedisStorageQueue, configure_object_store
+
+        self.kind, self.tmp_path = kind, tmp_path
+        if kind == "redis":
+            server = request.getfixturevalue("redis_server")
+            self.queue = RedisStorageQueue(server.url, f"s-{uuid.uuid4().hex[:8]}", trusted_roots=EVERYWHERE)
+            request.addfinalizer(self.queue.delete)
+            self.dataset = lambda: StorageDataset(self.queue)
+        else:
+            server = request.getfixturevalue("s3_server")
+            self.prefix = f"s3://{request.getfixturevalue('s3_bucket')}/stream"
+            configure_object_store(self.prefix, server.storage_options)
+            self.dataset = lambda: StorageDataset(self.prefix, storage_options=server.storage_options)
+
+    def add(self, i: int) -> None:
+        from torch_storage_loader import ObjectStorage
+        from torch_storage_loader.file_loader import new_file_name
+
+        if self.kind == "redis":
+            handle = FileStorage(str(self.tmp_path / f"{i:04d}.tsl"))
+            handle.save(traj(i, n=2))
+            self.queue.put(handle)
+            return
+        ObjectStorage(f"{self.prefix}/{new_file_name()}").save(traj(i, n=2))
+
+    def end(self) -> None:
+        if self.kind == "redis":
+            self.queue.close()
+        else:
+            end_directory_stream(self.prefix)
+
+
+@pytest.mark.parametrize("kind", ["redis", "prefix"])
+def test_persistent_workers_that_take_themselves_leave_an_idle_stream_for_the_next_loop(tmp_path, request, kind):
+    """As above, where workers take from the source themselves: persistent workers, a loop that
+    breaks while its worker polls an idle stream; the next loop starts at once (it used to wait
+    until the next entry came: ``RedisStorageQueue.get`` with no timeout, a prefix's poll loop)."""
+    stream = _SelfTakingStream(kind, request, tmp_path)
+    stream.add(0)
+    dl = DataLoader(stream.dataset(), batch_size=None, num_workers=1, persistent_workers=True, timeout=30)
+    got = []
+    for item in dl:
+        got += _ids(item)
+        time.sleep(1.0)  # the worker goes on to its next item, and polls the idle stream
+        break
+    it = iter(dl)  # timed out after 30 s before
+    stream.add(1)
+    stream.end()
+    got += [i for item in it for i in _ids(item)]
+    assert got == [0, 1]
+    del it, dl
+
+
+@pytest.mark.parametrize("kind", ["redis", "prefix"])
+def test_workers_that_take_themselves_exit_when_a_loop_breaks_on_an_idle_stream(tmp_path, request, kind):
+    """A loop that breaks while its workers poll an idle stream: they leave it and exit when torch
+    tells them to (torch used to wait 5 s for each, then terminate it: a 10 s ``break``)."""
+    stream = _SelfTakingStream(kind, request, tmp_path)
+    stream.add(0)
+    it = iter(DataLoader(stream.dataset(), batch_size=None, num_workers=2, timeout=30))
+    assert _ids(next(it)) == [0]
+    time.sleep(1.0)  # both poll the idle stream
+    workers = list(it._workers)
+    del it
+    gc.collect()
+    assert [w.exitcode for w in workers] == [0, 0]  # -15: terminated
+    stream.add(1)
+    stream.end()
+    assert [i for item in DataLoader(stream.dataset(), batch_size=None, num_workers=2) for i in _ids(item)] == [1]
+
+
+@pytest.mark.parametrize("kind", ["redis", "prefix"])
+def test_each_sample_of_a_trickle_arrives_whichever_worker_took_it(tmp_path, request, kind):
+    """Two workers take from a stream that gets one sample at a time: each reaches the trainer as
+    soon as it is loaded (in torch's order, one that the other worker took waited behind the worker
+    whose turn it was, which polled the idle stream: a stall until more came)."""
+    stream = _SelfTakingStream(kind, request, tmp_path)
+    it = iter(DataLoader(stream.dataset(), batch_size=None, num_workers=2, timeout=20))
+    for i in range(8):
+        stream.add(i)
+        assert _ids(next(it)) == [i]
+    stream.end()
+    assert list(it) == []
+    del it
 
 
 def test_a_worker_that_skips_all_it_holds_is_fed_again(tmp_path, caplog):

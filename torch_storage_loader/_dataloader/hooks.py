@@ -11,7 +11,8 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   (the worker's index is passed since torch's out-of-order support; before, ``(self, data)``) and
   ``_shutdown_workers(self)``, called by ``_next_data`` once the data ends. A subclass made for a
   ``StorageDataset``'s iterators overrides them for the delivery ledger (``ledger``) and ``device=``
-  (``_device``); torch's classes keep their methods.
+  (``_device``); torch's classes keep their methods. The subclass of torch's sets ``_in_order``
+  (``DataLoader(in_order=)``, read by ``_next_data`` since torch 2.6) to False for a streaming source.
 - ``torch.utils.data.dataloader._BaseDataLoaderIter``, the base of every DataLoader iterator (and of
   torchdata's): it has no ``__new__`` of its own. ``install()`` gives it one, which chooses that
   subclass when the loader's dataset is a ``StorageDataset``, and for any other dataset makes torch's
@@ -310,6 +311,8 @@ def _delivering(cls: type) -> type:
     check_iterator(cls)
     init, reset, process, shutdown = cls.__init__, cls._reset, cls._process_data, cls._shutdown_workers
     next_, unrecorded = cls.__next__, _unrecorded_next(cls)
+    # Not torchdata's: out of order, its iterator takes no snapshots and warns at each state_dict().
+    in_any_order = cls is _torch_dataloader._MultiProcessingDataLoaderIter
     profiling = torch._C._autograd._profiler_enabled
 
     @functools.wraps(init)
@@ -331,12 +334,18 @@ def _delivering(cls: type) -> type:
                 ledger.started()
         if ledger is not None:
             _live.add(self)
+            if in_any_order:
+                # A stream: items as they arrive. Which worker takes which handle is a race, and in
+                # order one a worker made would wait behind the worker the trainer waits on, which
+                # may be waiting on an idle stream (torch reads this per item; its first indices go
+                # out alike).
+                self._in_order = False
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None and not first_iter:
-            ledger.end_iteration()  # fed workers leave the last one, to take torch's message to start anew
+            ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
         reset(self, loader, first_iter, *args, **kwargs)
         if ledger is not None and not first_iter:
             ledger.next_incarnation()
@@ -388,7 +397,7 @@ def _delivering(cls: type) -> type:
         ledger = getattr(self, "_tsl_ledger", None)
         try:
             if ledger is not None:
-                ledger.stop_feeding()  # fed workers stop waiting for handles, and exit when told to
+                ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
             shutdown(self)
         finally:
             ledger = getattr(self, "_tsl_ledger", None)

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 from .._proc import WakePipe, after_fork_in_child
 from .._shm.marks import FeedMarks
+from .._shm.word import SharedWord
 from .feed import Feeder, FeedReader
 
 logger = logging.getLogger("torch_storage_loader")
@@ -50,6 +51,7 @@ MAX_UNCONFIRMED = 2
 # Acknowledgements sent from the thread go in batches: it is woken once this many are due, and sends
 # fewer once they waited this long (a wake per small sample cost the thread 81 us of CPU each).
 ACK_BATCH, ACK_DELAY_S = 64, 0.05
+ALL_ENDED = 2**62  # the count of ended iterations once the workers are to exit
 
 
 class Entry(NamedTuple):
@@ -74,12 +76,14 @@ class ItemKey(NamedTuple):
 class LedgerRef(NamedTuple):
     """What a dataset hands its DataLoader workers: the ledger's id, one pipe end per worker to
     report on, and (for a source the trainer feeds) one to read handles from and the marks of how
-    far each read it, and the trainer's pid."""
+    far each read it; for one they take from themselves, how many iterations the trainer ended),
+    and the trainer's pid."""
 
     id: str
     writers: list[Any]
     feeds: list[Any] | None
     marks: FeedMarks | None
+    ended: SharedWord | None
     trainer_pid: int
 
 
@@ -125,17 +129,22 @@ class Ledger:
         self._keep_every = source.keep_alive_every
         self._feeds: list[Any] | None = None  # the workers' read ends, until they have them
         self._feeder: Feeder | None = None
+        # Workers that take from their source themselves wait in its poll loop, not on a pipe: they
+        # read how many iterations ended (all, once they are to exit) from shared memory as they wait.
+        self._ended: SharedWord | None = None
         if source.fed_from_trainer:
             feeds = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
             self._feeds = [r for r, _ in feeds]
             self._feeder = Feeder(source, [w for _, w in feeds], item=item, ahead=ahead)
+        else:
+            self._ended = SharedWord(purpose="the delivery ledger's count of ended iterations")
         _ledgers.add(self)
         self._thread = threading.Thread(target=self._run, name="tsl-ledger", daemon=True)
         self._thread.start()
 
     def ref(self) -> LedgerRef:
         marks = self._feeder.marks if self._feeder is not None else None
-        return LedgerRef(self.id, self.writers, self._feeds, marks, os.getpid())
+        return LedgerRef(self.id, self.writers, self._feeds, marks, self._ended, os.getpid())
 
     def started(self) -> None:
         """The workers have their pipe ends: drop ours, so a reader sees EOF once they are gone."""
@@ -145,16 +154,24 @@ class Ledger:
             r.close()
 
     def end_iteration(self) -> None:
-        """Persistent workers are about to start the next iteration: the feeder tells each the end of
-        this one at once (a no-op unless fed). torch drops whatever they send until they acknowledge
-        the next, and a worker waiting for handles would never take torch's message to start it."""
+        """Persistent workers are about to start the next iteration: each that waits for handles
+        leaves this one at once (fed: the feeder tells it the end). torch drops whatever they send
+        until they acknowledge the next, and a worker waiting for handles would never take torch's
+        message to start it."""
         if self._feeder is not None:
             self._feeder.end_iteration()
+        else:
+            assert self._ended is not None
+            self._ended.value = self._incarnation + 1
 
-    def stop_feeding(self) -> None:
-        """Before the workers are shut down: they stop waiting for handles (a no-op unless fed)."""
+    def stop_waits(self) -> None:
+        """Before the workers are shut down: they stop waiting for handles, so that they exit when
+        torch tells them to (torch waits 5 s for each that does not, then terminates it)."""
         if self._feeder is not None:
             self._feeder.stop()
+        else:
+            assert self._ended is not None
+            self._ended.value = ALL_ENDED
 
     def _run(self) -> None:
         next_keep = time.monotonic() + (self._keep_every or 0)
@@ -346,6 +363,8 @@ class Ledger:
             for r in self._readers:
                 r.close()
             self._eof = set(range(len(self._readers)))
+            if self._ended is not None:
+                self._ended.close()
 
     def _pop(self, keys: list[ItemKey]) -> list[Any]:
         return [t for k in keys for t in self._taken.pop(k, ())]
@@ -386,7 +405,7 @@ class LedgerWriter:
 
     def __init__(self, ref: LedgerRef, wid: int) -> None:
         self.ledger_id, self._conn, self.incarnation = ref.id, ref.writers[wid], -1
-        self.wid, self._marks = wid, ref.marks
+        self.wid, self._marks, self._ended = wid, ref.marks, ref.ended
         self.feed = None if ref.feeds is None else FeedReader(ref.feeds[wid], ref.trainer_pid, self._wait_at)
         self.complete = 0  # fed: the feed position up to which what it read is in items it finished
 
@@ -394,6 +413,10 @@ class LedgerWriter:
         self.incarnation += 1
         if self.feed is not None:
             self.complete = self.feed.position  # the last iteration's unfinished item is over
+
+    def iteration_over(self) -> bool:
+        """Not fed: the trainer ended this incarnation (the next starts, or the workers exit)."""
+        return self._ended is not None and self._ended.value > self.incarnation
 
     def fed(self) -> Iterator[tuple[Any, Any]]:
         """The ``(token, handle)`` pairs the trainer feeds this worker in this incarnation."""

@@ -73,8 +73,9 @@ class Stream:
         if fed:  # the trainer takes, and feeds (see feed)
             assert writer is not None
             pairs = writer.fed()
-        else:
-            pairs = self.source.iterate(shard, shards, family=family)
+        else:  # a worker leaves an iteration the trainer ended while the source waits for more
+            stop = writer.iteration_over if writer is not None else None
+            pairs = self.source.iterate(shard, shards, family=family, stop=stop)
         made = 0  # samples (or dataset-side batches) yielded; DataLoader item = made // per_item
         group: list[tuple[Any, Storage]] = []
         # Fed: handles read since the last mark. The trainer's feeder holds each handle it gave as

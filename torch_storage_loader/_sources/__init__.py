@@ -17,7 +17,7 @@ from __future__ import annotations
 import multiprocessing.queues
 import os
 import queue as _queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from ..queue import StorageQueue
@@ -53,8 +53,11 @@ class Source(Protocol):
     @property
     def keep_alive_every(self) -> float | None: ...  # read-only: a class may say None, or a float
 
-    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
-        """``(token, handle)`` pairs for consumer ``shard`` of ``num_shards`` of trainer ``family``."""
+    def iterate(
+        self, shard: int, num_shards: int, *, family: str = "", stop: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[Any, Storage]]:
+        """``(token, handle)`` pairs for consumer ``shard`` of ``num_shards`` of trainer ``family``;
+        ``stop`` is asked while nothing is there to take, at least every second: True ends them."""
 
     def ack(self, tokens: list[Any]) -> None: ...
 

@@ -12,7 +12,7 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple, Protocol, overload
 
 from .._proc import trainer_alive
@@ -64,17 +64,30 @@ JUMP_AT = 8  # 4 claims lost in a row, or about 8 of 16 (see claim_loop)
 
 @overload
 def claim_loop(
-    store: ClaimStore, shard: int, num_shards: int, family: str = ..., *, wait: Literal[True] = ...
+    store: ClaimStore,
+    shard: int,
+    num_shards: int,
+    family: str = ...,
+    *,
+    wait: Literal[True] = ...,
+    stop: Callable[[], bool] | None = ...,
 ) -> Iterator[tuple[Any, Storage]]: ...
 @overload
 def claim_loop(
     store: ClaimStore, shard: int, num_shards: int, family: str = ..., *, wait: Literal[False]
 ) -> Iterator[tuple[Any, Storage] | None]: ...
 def claim_loop(
-    store: ClaimStore, shard: int, num_shards: int, family: str = "", *, wait: bool = True
+    store: ClaimStore,
+    shard: int,
+    num_shards: int,
+    family: str = "",
+    *,
+    wait: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[Any, Storage] | None]:
     """``(token, handle)`` pairs claimed for consumer ``shard`` of ``num_shards`` of trainer ``family``;
-    with ``wait=False``, None where it would wait ``poll_interval`` for more (the caller waits)."""
+    with ``wait=False``, None where it would wait ``poll_interval`` for more (the caller waits).
+    ``stop``, asked before each such wait: True ends the loop there."""
     host = socket.gethostname()
     me = Owner(host, family or str(os.getpid()), os.getpid())
     while True:
@@ -90,6 +103,8 @@ def claim_loop(
             if scan.ended and not any(
                 c.family != me.family and (c.host != host or alive(c.family, c.pid)) for c in claims
             ):
+                return
+            if stop is not None and stop():
                 return
             if wait:
                 time.sleep(store.poll_interval)

@@ -136,7 +136,9 @@ class DirectorySource:
         except FileNotFoundError:
             return []
 
-    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+    def iterate(
+        self, shard: int, num_shards: int, *, family: str = "", stop: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[str, Storage]]:
         """Claim files as they land, until the stream ended and nothing is left to claim.
 
         Args:
@@ -144,11 +146,13 @@ class DirectorySource:
             num_shards: How many consumers read the source (DataLoader workers times ranks).
             family: The trainer this consumer belongs to (its pid; default: this process's), so
                 claims of a live trainer are never taken back.
+            stop: Asked each ``poll_interval`` while nothing is left to claim; True ends the
+                iteration there (a DataLoader worker whose trainer ended its epoch).
 
         Yields:
             ``(token, handle)`` per claimed file: settle the token with ``ack``, ``fail`` or ``give_back``.
         """
-        return claim_loop(self, shard, num_shards, family)
+        return claim_loop(self, shard, num_shards, family, stop=stop)
 
     def take_pickled(self, most: int, timeout: float) -> list[bytes] | None:
         """In the trainer, feeding its DataLoader workers: claim what is there, up to ``most`` files.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import queue as _queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -74,7 +74,9 @@ class QueueSource:
         except Exception as exc:  # noqa: BLE001 - whatever pickling raised: the handle cannot travel
             raise TypeError(f"{got[1]!r} does not pickle ({exc}): it cannot reach a DataLoader worker") from None
 
-    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[Any, Storage]]:
+    def iterate(
+        self, shard: int, num_shards: int, *, family: str = "", stop: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[Any, Storage]]:
         if isinstance(self.queue, _queue.Queue) and get_worker_info() is not None:
             raise TypeError(
                 "a queue.Queue is not shared with worker processes, and this DataLoader's workers are "
@@ -82,8 +84,10 @@ class QueueSource:
             )
         while True:
             try:
-                got = self.take(timeout=3600.0)
+                got = self.take(timeout=3600.0 if stop is None else 0.25)
             except _queue.Empty:
+                if stop is not None and stop():
+                    return
                 continue
             if got is None:
                 return

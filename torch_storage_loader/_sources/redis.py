@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import queue as _queue
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from .._redis.keys import family as _family
@@ -76,13 +77,21 @@ class RedisSource:
         """This source, or one over a copy of its queue that also trusts ``trusted_roots``."""
         return self.queue.as_source(trusted_roots) if trusted_roots else self
 
-    def iterate(self, shard: int, num_shards: int, *, family: str = "") -> Iterator[tuple[str, Storage]]:
+    def iterate(
+        self, shard: int, num_shards: int, *, family: str = "", stop: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[str, Storage]]:
+        from .._redis.options import POLL_S  # here: importing it imports redis, which the queue has by now
+
         q = self.queue
         if family:
             q.join_trainer(family)
         while True:
             try:
-                item = q.get()
+                item = q.get(None if stop is None else POLL_S)
+            except _queue.Empty:
+                if stop is not None and stop():
+                    return
+                continue
             except (HandleRecordError, UntrustedStorageError) as exc:
                 if isinstance(exc, UntrustedStorageError) and not q.trusted_roots:
                     raise  # a misconfiguration, not an attack: get() left the entry in the stream

@@ -625,10 +625,12 @@ def test_workers_that_take_themselves_exit_when_a_loop_breaks_on_an_idle_stream(
     it = iter(DataLoader(stream.dataset(), batch_size=None, num_workers=2, timeout=30))
     assert _ids(next(it)) == [0]
     time.sleep(1.0)  # both poll the idle stream
-    workers = list(it._workers)
+    started = time.monotonic()
     del it
     gc.collect()
-    assert [w.exitcode for w in workers] == [0, 0]  # -15: terminated
+    # Not a speed check: the exit code cannot tell (a torch worker told SIGTERM by its parent exits
+    # with 0), but torch waits 5 s for a worker before it terminates it.
+    assert time.monotonic() - started < 4.0
     stream.add(1)
     stream.end()
     assert [i for item in DataLoader(stream.dataset(), batch_size=None, num_workers=2) for i in _ids(item)] == [1]

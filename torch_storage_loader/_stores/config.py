@@ -7,6 +7,8 @@ own defaults apply (they read the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDP
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from typing import Any, NamedTuple
 
@@ -124,16 +126,33 @@ def filesystem(url: str) -> Any:  # an fsspec AbstractFileSystem (fsspec has no 
 
 
 _inherited: list[Any] = []  # in a forked child: the parent's fsspec instances, never to be closed here
+_parent_loop: list[Any] = []  # fsspec's event loop, as the parent had it when it forked
+
+
+def _note_loop_before_fork() -> None:
+    asyn = sys.modules.get("fsspec.asyn")
+    _parent_loop[:] = [asyn.loop[0]] if asyn is not None and asyn.loop[0] is not None else []
+
+
+os.register_at_fork(before=_note_loop_before_fork)
 
 
 @after_fork_in_child
-def _keep_inherited_filesystems() -> None:
-    # A forked child (a DataLoader worker) holds copies of the parent's fsspec instances. fsspec drops
-    # them from its cache at the child's first use (it caches per process), and s3fs then closes
-    # their connections in the child, through a copy of the parent's event loop whose epoll instance
-    # the parent shares: that unregisters the parent's sockets from the parent's own loop, and its
-    # next request on one waits for a reply it is never told of (for ever, or a 60 s read timeout).
-    # Referenced here, they are never collected, so never closed, in the child.
+def _leave_the_parents_loop() -> None:
+    # A forked child (a DataLoader worker) holds copies of the parent's fsspec instances and of the
+    # event loop their connections belong to, and that loop's epoll descriptor is the parent's own
+    # epoll instance. fsspec drops those instances at the child's first use (it caches per process),
+    # and s3fs then closes their connections in the child: unregistering the parent's sockets from
+    # the parent's loop, whose next request on one waited for a reply it was never told of (for
+    # ever, or a 60 s read timeout). So the child's copy of that loop gets an epoll of its own, and
+    # the cached instances are kept (never collected here, so never closed: no errors either).
+    for loop in _parent_loop:
+        selector = getattr(loop, "_selector", None)
+        shared = getattr(selector, "_selector", None)
+        if isinstance(shared, select.epoll):
+            selector._selector = select.epoll()  # type: ignore[union-attr]
+            shared.close()  # this child's descriptor only
+    _parent_loop.clear()
     spec = sys.modules.get("fsspec.spec")
     if spec is None:
         return

@@ -76,6 +76,12 @@ def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:
     return hook
 
 
+def before_fork(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run ``hook`` in this process before each fork, in the forking thread (a decorator)."""
+    os.register_at_fork(before=hook)
+    return hook
+
+
 def fork_safe_lock() -> _thread.RLock:
     """A lock for ``with`` blocks, free in a child forked while another thread held it (the child
     re-initialises it; what it guards is as the parent's holder left it at the fork).

@@ -111,7 +111,8 @@ class Stream:
             if unmarked:  # a last, short group, kept or dropped
                 self._mark(writer, made // per_item)
                 unmarked = False
-            if group and not self.reader.opts.drop_last:
+            left = writer is not None and writer.iteration_over()  # (its handles go back: the trainer's)
+            if group and not self.reader.opts.drop_last and not left:
                 item = self._load(group, writer, made // per_item)
                 group = []
                 if item is not SKIP:

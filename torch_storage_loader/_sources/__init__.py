@@ -57,7 +57,7 @@ class Source(Protocol):
         self, shard: int, num_shards: int, *, family: str = "", stop: Callable[[], bool] | None = None
     ) -> Iterator[tuple[Any, Storage]]:
         """``(token, handle)`` pairs for consumer ``shard`` of ``num_shards`` of trainer ``family``;
-        ``stop`` is asked while nothing is there to take, at least every second: True ends them."""
+        ``stop`` is asked between polls while nothing is there to take: True ends them."""
 
     def ack(self, tokens: list[Any]) -> None: ...
 

@@ -7,13 +7,12 @@ own defaults apply (they read the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDP
 
 from __future__ import annotations
 
-import os
 import select
 import sys
 from typing import Any, NamedTuple
 
 from .._optional import require
-from .._proc import after_fork_in_child, fork_safe_lock
+from .._proc import after_fork_in_child, before_fork, fork_safe_lock
 
 __all__ = [
     "Config",
@@ -129,12 +128,10 @@ _inherited: list[Any] = []  # in a forked child: the parent's fsspec instances, 
 _parent_loop: list[Any] = []  # fsspec's event loop, as the parent had it when it forked
 
 
+@before_fork
 def _note_loop_before_fork() -> None:
     asyn = sys.modules.get("fsspec.asyn")
     _parent_loop[:] = [asyn.loop[0]] if asyn is not None and asyn.loop[0] is not None else []
-
-
-os.register_at_fork(before=_note_loop_before_fork)
 
 
 @after_fork_in_child
@@ -146,11 +143,12 @@ def _leave_the_parents_loop() -> None:
     # the parent's loop, whose next request on one waited for a reply it was never told of (for
     # ever, or a 60 s read timeout). So the child's copy of that loop gets an epoll of its own, and
     # the cached instances are kept (never collected here, so never closed: no errors either).
+    epoll = getattr(select, "epoll", None)  # Linux; a kqueue is not inherited across fork
     for loop in _parent_loop:
         selector = getattr(loop, "_selector", None)
         shared = getattr(selector, "_selector", None)
-        if isinstance(shared, select.epoll):
-            selector._selector = select.epoll()  # type: ignore[union-attr]
+        if epoll is not None and isinstance(shared, epoll):
+            selector._selector = epoll()  # type: ignore[union-attr]
             shared.close()  # this child's descriptor only
     _parent_loop.clear()
     spec = sys.modules.get("fsspec.spec")

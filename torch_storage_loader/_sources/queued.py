@@ -84,10 +84,8 @@ class QueueSource:
             )
         while True:
             try:
-                got = self.take(timeout=3600.0 if stop is None else 0.25)
+                got = self.take(timeout=3600.0)  # (never given a stop: under workers the trainer feeds them)
             except _queue.Empty:
-                if stop is not None and stop():
-                    return
                 continue
             if got is None:
                 return

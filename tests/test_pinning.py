@@ -354,6 +354,10 @@ def test_a_sample_that_cannot_be_received_fails_on_the_trainers_thread(gpu, tmp_
     ds = StorageDataset(q, device="cpu", on_error=on_error, slots_per_worker=1, max_rings_per_worker=1)
     it = iter(DataLoader(ds, batch_size=None, num_workers=1))
     assert int(next(it)["id"]) == 0 and pin_thread_running() == pin_thread
+    # The slot of sample 0 comes back to the worker once the (fake) copy's event completed, on the
+    # release thread: wait for it, or the worker, finding no slot free, maps a new ring for sample 1
+    # and sends its descriptor (a loaded CI machine: "DID NOT RAISE").
+    _pinning._state.releases.drain()
     _slots.retire_rings()  # the worker's ring is forgotten here: its next reference names an unknown ring
     for i in (1, 2, 3):
         q.put(save(tmp_path, i))

@@ -403,6 +403,31 @@ def test_ctrl_c_stops_workers_and_leaves_nothing(tmp_path):
     assert FileStorage(saved).load()["x"].shape == (100000,)
 
 
+def test_shutdown_delivers_a_load_that_ctrl_c_interrupted_before_it_woke_the_loader(tmp_store, monkeypatch):
+    """Ctrl-C can land in ``load()`` after the request was queued and before the receiving thread
+    was woken (CI saw it: the Ctrl-C test above hung in ``__exit__`` for 60 s, the receiving thread
+    asleep with the workers idle). The ``with`` block's ``shutdown()`` must still deliver that load,
+    not wait for ever. The signal is placed there by making the wake raise what it would."""
+    got = []
+    with FileStorageLoader(tmp_store, worker_num=1) as loader:
+        h = loader.save({"x": np.arange(10)})
+        loader.start()
+        loader.load_async(h).result(timeout=30)  # the workers are ready and idle: only a wake wakes it
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(loader._pool, "wake", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            loader.load(h, got.append)
+        monkeypatch.undo()
+        done = threading.Thread(target=loader.shutdown, daemon=True)
+        done.start()
+        done.join(timeout=30)
+        assert not done.is_alive(), "shutdown() waits for a load nobody will dispatch"
+    assert len(got) == 1 and np.array_equal(got[0]["x"], np.arange(10))
+
+
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:

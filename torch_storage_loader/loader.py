@@ -381,6 +381,12 @@ class StorageLoader(ABC):
             if not self._started or self._closing:
                 return
             self._closing = True
+            pool = self._pool
+        # A load queued by a load() that Ctrl-C interrupted before it woke the receiving thread
+        # would wait, with the workers idle, for a wake that never comes: wake it (nothing is queued
+        # from now on).
+        if pool is not None:
+            pool.wake()
         try:
             with self._cond:
                 deadline = None if timeout is None else time.monotonic() + timeout

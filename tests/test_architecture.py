@@ -312,3 +312,20 @@ def test_fork_hooks_and_self_pipes_only_in_proc_which_is_a_leaf():
     )
     modules = _modules()
     assert not _imports("_proc", modules["_proc"], set(modules)), "_proc imports nothing from the package"
+
+
+def test_conditions_come_from_proc_and_are_never_entered():
+    """``with condition`` can leave its lock held for ever when a signal handler raises inside it
+    (torch's SIGCHLD handler, Ctrl-C): conditions are made by ``_proc.signal_safe_condition`` and
+    code enters their lock. A ``with`` over a name ending in ``cond`` is taken for a condition."""
+    made, entered = set(), set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "threading.Condition":
+                made.add(_rel(path))
+            if isinstance(node, ast.With | ast.AsyncWith):
+                for item in node.items:
+                    if ast.unparse(item.context_expr).rsplit(".", 1)[-1].endswith("cond"):
+                        entered.add(f"{_rel(path)}:{node.lineno}")
+    assert made <= {PROC_HOME}, f"make conditions with _proc.signal_safe_condition: {sorted(made)}"
+    assert not entered, f"enter the condition's lock, not the condition: {sorted(entered)}"

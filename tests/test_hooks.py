@@ -357,3 +357,30 @@ def test_an_iterator_left_alive_at_exit_gives_back_what_its_workers_took(tmp_pat
     rest = run_script(_LEFT_AT_EXIT, tmp_path, args=("rest",))
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert eval(rest.stdout) == [i for i in range(40) if i != first]  # each once, the delivered one not again
+
+
+def test_a_workers_death_is_raised_at_the_trainers_next_not_inside_what_it_was_doing(handles):
+    """torch raises a dead worker's error from its SIGCHLD handler wherever the trainer's thread is:
+    inside a queue's ``put``, a finalizer or the ledger's bookkeeping, which CI runs saw hang or
+    lose a sample. A worker killed while the trainer runs code of its own raises nothing there; the
+    next ``next()`` raises torch's error."""
+    import signal
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    it = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=2))
+    next(it)
+    pid = it._workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the trainer's own code runs as the signal arrives
+        sum(range(1000))
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z" and deadline - time.monotonic() > 0.5:
+                deadline = time.monotonic() + 0.5  # dead: a while longer, for the handler to run here
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal"):
+        next(it)
+    del it

@@ -34,7 +34,7 @@ from typing import Any
 
 from ._ding_storage import foreign_storage
 from ._options import check_option
-from ._proc import after_fork_in_child
+from ._proc import after_fork_in_child, signal_safe_condition
 from ._shm.alloc import FillInfo, check_slot_options
 from ._shm.filling import LocalFiller, is_plain_file
 from ._shm.segments import default_shm_budget, free_shm_bytes, shm_dir
@@ -250,8 +250,7 @@ class StorageLoader(ABC):
 
     def _init_runtime(self) -> None:
         self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._lock, self._cond = signal_safe_condition()  # entered as ``with self._lock``
         self._counts: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count()
         # Workers that exit with UNGUARDED_MAIN_EXIT as they start would do so in every session:
@@ -377,7 +376,7 @@ class StorageLoader(ABC):
             timeout: Seconds to wait for pending loads; None waits for all of them.
         """
         on_receiver = threading.current_thread() is self._thread
-        with self._cond:
+        with self._lock:
             if not self._started or self._closing:
                 return
             self._closing = True
@@ -388,7 +387,7 @@ class StorageLoader(ABC):
         if pool is not None:
             pool.wake()
         try:
-            with self._cond:
+            with self._lock:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while self._outstanding_locked() and not on_receiver:
                     left = None if deadline is None else deadline - time.monotonic()
@@ -628,7 +627,7 @@ class StorageLoader(ABC):
             if not req.future.done():
                 req.future.set_result(result if req.callback is None else None)
         self._on_finish(req.storage)
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     def _stop_session(self, on_receiver: bool) -> list[_Request]:

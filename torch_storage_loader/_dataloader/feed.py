@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._proc import frame, pid_alive, raise_pipe
+from .._proc import frame, pid_alive, raise_pipe, signal_safe_condition
 from .._shm.marks import FeedMarks
 from ..errors import StorageError
 from ..storage import Storage
@@ -102,7 +102,8 @@ class Feeder:
         self._returning = 0  # items failed on their way in whose handles are going back to the source
         self._leaving = False  # the trainer starts the next iteration: tell every worker this one's end now
         self._stopped = self._closing = False
-        self._cond = threading.Condition()
+        # Entered as ``with self._lock``, never ``with self._cond``: see ``_proc.signal_safe_condition``.
+        self._lock, self._cond = signal_safe_condition(reentrant=True)
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
         self._thread.start()
 
@@ -113,7 +114,7 @@ class Feeder:
         ``returning``: the item failed on its way in, and the caller gives its handles back to the
         source, then calls ``returned``; until then no worker is told the source's end."""
         if returning:  # (counted even once closed: returned() follows)
-            with self._cond:
+            with self._lock:
                 self._returning += 1
         if self._closing:
             return []
@@ -121,7 +122,7 @@ class Feeder:
 
     def returned(self) -> None:
         """The handles of an item ``in_item`` was told is ``returning`` are back in the source."""
-        with self._cond:
+        with self._lock:
             self._returning -= 1
             self._cond.notify()
 
@@ -134,7 +135,7 @@ class Feeder:
     def _upto(self, worker: int, position: int) -> list[bytes]:
         """The handles given to worker ``worker`` up to its feed position ``position``, those it
         settled itself left out; forgotten here."""
-        with self._cond:
+        with self._lock:
             given, settled = self._given[worker], self._settled[worker]
             n = min(position - self._base[worker], len(given))
             if n <= 0:
@@ -151,7 +152,7 @@ class Feeder:
 
     def settled(self, worker: int, tokens: list[bytes]) -> None:
         """Worker ``worker`` settled ``tokens`` itself (they failed to load): never acknowledged or given back."""
-        with self._cond:
+        with self._lock:
             self._settled[worker].update(tokens)
             if self._unread(worker) <= self._low:
                 self._cond.notify()  # it may have skipped all it held: no item arrives to say so (_upto)
@@ -159,7 +160,7 @@ class Feeder:
     def restart(self, incarnation: int) -> None:
         """Persistent workers began iteration ``incarnation``: take from the source again (what was
         given back before this call is taken again). Handles still in a feed stay given."""
-        with self._cond:
+        with self._lock:
             self._incarnation, self._done, self._ending, self._told = incarnation, False, None, set()
             self._leaving = False
             # A new iteration groups from where each worker reads on: what it holds unread comes first.
@@ -171,7 +172,7 @@ class Feeder:
         the end of this one now, whatever it holds or waits for, and feed no more until ``restart``.
         (What they read in it and never delivered goes back then; what they hold unread stays given,
         and they read it first in the next.)"""
-        with self._cond:
+        with self._lock:
             if not self._done:
                 self._leaving = True
                 self._cond.notify()
@@ -179,13 +180,13 @@ class Feeder:
     def stop(self) -> None:
         """Stop taking and tell every worker to stop (idempotent); what a pipe had no room for is
         still written as the worker reads, until ``close``."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._cond.notify()
 
     def undelivered(self) -> list[Any]:
         """After ``close``: every handle given to a worker and in no item that reached the trainer; forgotten here."""
-        with self._cond:
+        with self._lock:
             out = [
                 t
                 for given, settled in zip(self._given, self._settled, strict=True)
@@ -197,7 +198,7 @@ class Feeder:
 
     def close(self) -> None:
         """Stop, and once the thread is done, close the trainer's ends of the feeds."""
-        with self._cond:
+        with self._lock:
             self._stopped = self._closing = True
             self._cond.notify()
         if self._thread is not threading.current_thread():
@@ -220,12 +221,12 @@ class Feeder:
         finally:
             self._send_all((STOP,))
             while self._flush() and not self._closing:  # a worker that reads gets to the stop
-                with self._cond:
+                with self._lock:
                     self._cond.wait(FLUSH_S)
 
     def _step(self) -> bool:
         waiting = self._flush()
-        with self._cond:
+        with self._lock:
             if self._stopped:
                 return False
             if self._leaving and self._ending is None:
@@ -255,7 +256,7 @@ class Feeder:
             return True
         burst, last = self._take(quota, incarnation)
         if burst:
-            with self._cond:
+            with self._lock:
                 stopped: bool = self._stopped  # bool: stop() may have run since the check above
                 shares = {} if stopped else self._share(burst)  # given before sent: a worker killed now loses nothing
             if stopped:
@@ -320,7 +321,7 @@ class Feeder:
         return burst, None
 
     def _finish(self, incarnation: int, msg: tuple[Any, ...]) -> None:
-        with self._cond:
+        with self._lock:
             if self._incarnation != incarnation:
                 return  # restarted meanwhile: take again
             if msg[0] == END:

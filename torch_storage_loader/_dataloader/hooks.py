@@ -31,6 +31,10 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 - The pin-memory thread: started when ``loader.pin_memory`` is true at the iterator's creation;
   ``torch.utils.data._utils.pin_memory.pin_memory`` hands back an object whose ``pin_memory()``
   returns itself.
+- torch's SIGCHLD handler (set by the first multi-process iterator made on the main thread, and
+  read back with ``signal.getsignal``): it raises a dead worker's error wherever the
+  trainer's thread is. While a ``StorageDataset``'s iterator lives, the handler is wrapped
+  (``_Deaths``) so that the error is raised only where that is safe; skipped where torch set none.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
 
 Size: about 520 lines (310 of code), because every private torch touch lives here by rule
@@ -46,7 +50,10 @@ import inspect
 import logging
 import multiprocessing as mp
 import os
+import selectors
+import signal
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -332,6 +339,7 @@ def _delivering(cls: type) -> type:
             if ledger is not None:
                 loader.dataset._tsl_attach_ledger(None)
                 ledger.started()
+        _deaths.guard(self)
         if ledger is not None:
             _live.add(self)
             if in_any_order:
@@ -371,6 +379,7 @@ def _delivering(cls: type) -> type:
     def __next__(self):
         while True:
             try:
+                _deaths.raise_deferred()  # a worker's death noticed while raising was not safe
                 if unrecorded and self._IterableDataset_len_called is None and not profiling():
                     out = unrecorded(self)
                 else:
@@ -387,7 +396,7 @@ def _delivering(cls: type) -> type:
                 return out
 
     # Kept here: at interpreter exit, module globals are gone before __del__ runs.
-    getframe, getpid = sys._getframe, os.getpid
+    getframe, getpid, deaths = sys._getframe, os.getpid, _deaths
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
@@ -395,6 +404,7 @@ def _delivering(cls: type) -> type:
             return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
+        deaths.iterators.discard(self)
         try:
             if ledger is not None:
                 ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
@@ -416,6 +426,70 @@ _NEXT_NAMES = frozenset(
     + ("_num_workers", "_num_yielded", "_profile_name", "_reset", "_sampler_iter", "autograd", "profiler")
     + ("record_function", "torch", "warn", "warnings")
 )
+
+
+# The selectors' waits (a multiprocessing queue's get, a connection's poll block in one): raised
+# there, an error unwinds through with-blocks and try/finally only.
+_SAFE_WAITS = frozenset(
+    c.select.__code__
+    for c in vars(selectors).values()
+    if isinstance(c, type) and issubclass(c, selectors.BaseSelector) and "select" in vars(c)
+)
+
+
+class _Deaths:
+    """torch's SIGCHLD handler, made to raise only where that is safe while our iterators live.
+
+    torch raises a dead worker's error from its SIGCHLD handler wherever the trainer's thread is:
+    inside ``multiprocessing.Queue.put`` between taking the queue's lock and the ``with`` that
+    releases it (torch's shutdown then waits for ever on that lock), inside a ``weakref.finalize``
+    (which then never frees its slot), inside the ledger between taking items off what is owed and
+    settling them (a sample neither delivered nor given back: lost until the trainer exits). CI runs
+    hit all three after a worker was SIGKILLed. So, while a ``StorageDataset``'s iterator lives, the
+    error is raised at once only where the trainer's thread waits in a selector (the usual place:
+    waiting for the next item), and otherwise at the start of the next ``__next__``; torch's own
+    check, when no item comes within 5 s, still finds a dead worker too. With no such iterator,
+    torch's handler runs as torch made it."""
+
+    def __init__(self) -> None:
+        self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.torch_handler: Callable[[int, Any], Any] | None = None
+        self.deferred = False
+
+    def guard(self, iterator: Any) -> None:
+        """Wrap the process's SIGCHLD handler (torch's, set as its first iterator was made) for ``iterator``."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # torch sets no handler off the main thread, and signal.signal cannot
+        current = signal.getsignal(signal.SIGCHLD)
+        if current is not _on_sigchld:
+            if not callable(current):
+                return
+            self.torch_handler = current
+            signal.signal(signal.SIGCHLD, _on_sigchld)
+        self.iterators.add(iterator)
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        handler = self.torch_handler
+        if handler is None:
+            return
+        if self.iterators and (frame is None or frame.f_code not in _SAFE_WAITS):
+            self.deferred = True
+            return
+        self.deferred = False
+        handler(signum, frame)
+
+    def raise_deferred(self) -> None:
+        """On the trainer's thread, at a point where raising is safe: what ``on_signal`` deferred."""
+        if self.deferred and self.torch_handler is not None:
+            self.deferred = False
+            self.torch_handler(signal.SIGCHLD, None)
+
+
+_deaths = _Deaths()
+
+
+def _on_sigchld(signum: int, frame: Any, deaths: _Deaths = _deaths) -> None:
+    deaths.on_signal(signum, frame)  # (bound as a default: a signal may come as the interpreter exits)
 
 
 def _unrecorded_next(cls: type) -> Callable[[Any], Any] | None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from .._proc import after_fork_in_child
+from .._proc import after_fork_in_child, signal_safe_condition
 from .._shm.segments import _human
 from ..errors import PinRefused, SlotPinningWarning
 
@@ -307,14 +307,14 @@ class ReleaseQueue:
     waiting there would create a context on a device the trainer may not use)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock, self._cond = signal_safe_condition()  # entered as ``with self._lock``
         self._pending: collections.deque = collections.deque()
         self._current: tuple | None = None  # the one the thread took from _pending (kept reachable: see fork)
         self._thread: threading.Thread | None = None
 
     def put(self, backend: Accelerator, events: list[tuple[int | None, Event]], callback: Callable[[], None]) -> None:
         """Run ``callback`` once each ``(device, event)`` of ``events`` completed."""
-        with self._cond:
+        with self._lock:
             self._pending.append((backend, events, callback))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tsl-slot-release", daemon=True)
@@ -324,12 +324,12 @@ class ReleaseQueue:
 
     def pending(self) -> int:
         """Callbacks not run yet."""
-        with self._cond:
+        with self._lock:
             return len(self._pending) + (self._current is not None)
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 if not self._pending:
                     self._cond.wait(_IDLE_S)
                     if not self._pending:
@@ -350,14 +350,14 @@ class ReleaseQueue:
                 logger.exception("releasing a slot failed")
             finally:
                 del backend, events, callback
-                with self._cond:
+                with self._lock:
                     self._current = None
                     self._cond.notify_all()
                 del item  # the events are destroyed here, outside the lock (each on its own device)
 
     def drain(self) -> None:
         """Wait until every callback queued so far has run."""
-        with self._cond:
+        with self._lock:
             while self._pending or self._current is not None:
                 self._cond.wait(0.1)
 

@@ -102,7 +102,7 @@ def fork_safe_lock() -> _thread.RLock:
 _fork_safe_locks: weakref.WeakSet[_thread.RLock] = weakref.WeakSet()
 
 
-def signal_safe_condition(*, reentrant: bool = False) -> tuple[Any, threading.Condition]:
+def signal_safe_condition() -> tuple[Any, threading.Condition]:
     """A lock and a condition over it, for state that code on the trainer's thread guards.
 
     Enter the lock (``with lock``), never the condition: ``Condition.__enter__`` is Python, and a
@@ -110,9 +110,11 @@ def signal_safe_condition(*, reentrant: bool = False) -> tuple[Any, threading.Co
     ``KeyboardInterrupt``) after it took the lock leaves the lock held for ever, and every other
     thread that needs it waits for ever (``with condition`` kept the lock in 25 of 72 such signals in
     a test; ``with lock``, taken and entered in C, in none of 9,977). ``condition.wait`` and
-    ``notify`` work as usual with the lock held.
+    ``notify`` work as usual with the lock held. The lock is reentrant: ``Condition.wait`` lets go of
+    an RLock and takes it back in C (a plain Lock's are Python, where an interrupt could leave it
+    let go inside the ``with``, whose exit would then release a lock it does not hold).
     """
-    lock = threading.RLock() if reentrant else threading.Lock()
+    lock = threading.RLock()
     return lock, threading.Condition(lock)
 
 

@@ -381,12 +381,12 @@ class StorageLoader(ABC):
                 return
             self._closing = True
             pool = self._pool
-        # A load queued by a load() that Ctrl-C interrupted before it woke the receiving thread
-        # would wait, with the workers idle, for a wake that never comes: wake it (nothing is queued
-        # from now on).
-        if pool is not None:
-            pool.wake()
         try:
+            # A load queued by a load() that Ctrl-C interrupted before it woke the receiving thread
+            # would wait, with the workers idle, for a wake that never comes: wake it (nothing is
+            # queued from now on).
+            if pool is not None:
+                pool.wake()
             with self._lock:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while self._outstanding_locked() and not on_receiver:

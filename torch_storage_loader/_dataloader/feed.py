@@ -103,7 +103,7 @@ class Feeder:
         self._leaving = False  # the trainer starts the next iteration: tell every worker this one's end now
         self._stopped = self._closing = False
         # Entered as ``with self._lock``, never ``with self._cond``: see ``_proc.signal_safe_condition``.
-        self._lock, self._cond = signal_safe_condition(reentrant=True)
+        self._lock, self._cond = signal_safe_condition()
         self._thread = threading.Thread(target=self._run, name="tsl-feeder", daemon=True)
         self._thread.start()
 

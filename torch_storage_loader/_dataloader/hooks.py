@@ -31,8 +31,9 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 - The pin-memory thread: started when ``loader.pin_memory`` is true at the iterator's creation;
   ``torch.utils.data._utils.pin_memory.pin_memory`` hands back an object whose ``pin_memory()``
   returns itself.
-- torch's SIGCHLD handler (set by the first multi-process iterator made on the main thread, and
-  read back with ``signal.getsignal``): it raises a dead worker's error wherever the
+- torch's SIGCHLD handler: ``torch.utils.data._utils.signal_handling._set_SIGCHLD_handler`` sets it
+  once per process (torch calls it as each multi-process iterator starts), read back with
+  ``signal.getsignal``; its ``__module__`` tells it from another's: it raises a dead worker's error wherever the
   trainer's thread is. While a ``StorageDataset``'s iterator lives, the handler is wrapped
   (``_Deaths``) so that the error is raised only where that is safe; skipped where torch set none.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
@@ -63,7 +64,9 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import dataloader as _torch_dataloader
 from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import fetch as _fetch
+from torch.utils.data._utils import signal_handling as _signal_handling
 
+from .._proc import after_fork_in_child
 from ..errors import PinThreadUnavailable, UnsupportedTorchError
 from .ledger import Ledger, LedgerRef
 
@@ -327,6 +330,7 @@ def _delivering(cls: type) -> type:
         self._tsl_pid = getpid()
         self._tsl_device = device = loader.dataset.device
         self._tsl_ledger = ledger = _open(loader)
+        _deaths.guard(self)
         try:
             with _receive_ahead(loader, device):
                 init(self, loader, *args, **kwargs)
@@ -339,7 +343,6 @@ def _delivering(cls: type) -> type:
             if ledger is not None:
                 loader.dataset._tsl_attach_ledger(None)
                 ledger.started()
-        _deaths.guard(self)
         if ledger is not None:
             _live.add(self)
             if in_any_order:
@@ -351,6 +354,8 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(reset)
     def _reset(self, loader, first_iter=False, *args, **kwargs):
+        if not first_iter:
+            _Deaths.raise_deferred(self)  # (persistent workers: one died between epochs)
         ledger = getattr(self, "_tsl_ledger", None)
         if ledger is not None and not first_iter:
             ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
@@ -379,7 +384,7 @@ def _delivering(cls: type) -> type:
     def __next__(self):
         while True:
             try:
-                _deaths.raise_deferred()  # a worker's death noticed while raising was not safe
+                _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
                 if unrecorded and self._IterableDataset_len_called is None and not profiling():
                     out = unrecorded(self)
                 else:
@@ -404,12 +409,12 @@ def _delivering(cls: type) -> type:
             return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
-        deaths.iterators.discard(self)
         try:
             if ledger is not None:
                 ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
             shutdown(self)
         finally:
+            deaths.iterators.discard(self)  # not before: torch's shutdown puts to the workers' queues
             ledger = getattr(self, "_tsl_ledger", None)
             if ledger is not None:
                 self._tsl_ledger = None
@@ -445,44 +450,64 @@ class _Deaths:
     releases it (torch's shutdown then waits for ever on that lock), inside a ``weakref.finalize``
     (which then never frees its slot), inside the ledger between taking items off what is owed and
     settling them (a sample neither delivered nor given back: lost until the trainer exits). CI runs
-    hit all three after a worker was SIGKILLed. So, while a ``StorageDataset``'s iterator lives, the
-    error is raised at once only where the trainer's thread waits in a selector (the usual place:
-    waiting for the next item), and otherwise at the start of the next ``__next__``; torch's own
-    check, when no item comes within 5 s, still finds a dead worker too. With no such iterator,
-    torch's handler runs as torch made it."""
+    hit all three after a worker was SIGKILLed. So, while a ``StorageDataset``'s iterator lives,
+    torch's handler runs at once (handlers it chains to included), but its error is raised there
+    only where the trainer's thread waits in a selector (waiting for the next item, without a
+    pin-memory thread); elsewhere it is kept on the iterator whose worker died and raised at its
+    next ``__next__`` (or ``_reset``). A death among other DataLoaders' workers is left to torch's
+    own check, which finds it when no item came for 5 s. With no such iterator, torch's handler
+    runs as torch made it."""
 
     def __init__(self) -> None:
         self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         self.torch_handler: Callable[[int, Any], Any] | None = None
-        self.deferred = False
 
     def guard(self, iterator: Any) -> None:
-        """Wrap the process's SIGCHLD handler (torch's, set as its first iterator was made) for ``iterator``."""
+        """Wrap torch's SIGCHLD handler (set now if torch has not yet) for ``iterator``, before it
+        starts its workers and queues their first indices."""
         if threading.current_thread() is not threading.main_thread():
             return  # torch sets no handler off the main thread, and signal.signal cannot
+        _signal_handling._set_SIGCHLD_handler()  # once per process: torch's own call, made early
         current = signal.getsignal(signal.SIGCHLD)
         if current is not _on_sigchld:
-            if not callable(current):
-                return
+            if getattr(current, "__module__", None) != _signal_handling.__name__:
+                return  # another's handler, set after torch's: left as it is (it may chain to ours)
             self.torch_handler = current
             signal.signal(signal.SIGCHLD, _on_sigchld)
         self.iterators.add(iterator)
 
-    def on_signal(self, signum: int, frame: Any) -> None:
+    def on_signal(self, signum: int, frame: Any, safe: frozenset = _SAFE_WAITS) -> None:
         handler = self.torch_handler
         if handler is None:
             return
-        if self.iterators and (frame is None or frame.f_code not in _SAFE_WAITS):
-            self.deferred = True
+        if not self.iterators or (frame is not None and frame.f_code in safe):
+            handler(signum, frame)
             return
-        self.deferred = False
-        handler(signum, frame)
+        try:
+            handler(signum, frame)
+        except Exception as exc:  # noqa: BLE001 - a dead worker's error, kept for a safe place
+            exc.__traceback__ = None  # (its frames are whatever the trainer was running)
+            for it in list(self.iterators):
+                if any(_exited(w.pid) for w in getattr(it, "_workers", ())):
+                    it._tsl_death = exc
 
-    def raise_deferred(self) -> None:
-        """On the trainer's thread, at a point where raising is safe: what ``on_signal`` deferred."""
-        if self.deferred and self.torch_handler is not None:
-            self.deferred = False
-            self.torch_handler(signal.SIGCHLD, None)
+    @staticmethod
+    def raise_deferred(iterator: Any) -> None:
+        """On the trainer's thread, where raising is safe: the error ``on_signal`` kept for ``iterator``."""
+        exc = iterator.__dict__.pop("_tsl_death", None)
+        if exc is not None:
+            raise exc
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether child ``pid`` has exited (left unreaped, as torch's own check leaves it). Not a child
+    of this process (forkserver's workers) or reaped already: False, left to torch's own check."""
+    if pid is None:
+        return False
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False
 
 
 _deaths = _Deaths()
@@ -490,6 +515,11 @@ _deaths = _Deaths()
 
 def _on_sigchld(signum: int, frame: Any, deaths: _Deaths = _deaths) -> None:
     deaths.on_signal(signum, frame)  # (bound as a default: a signal may come as the interpreter exits)
+
+
+@after_fork_in_child
+def _no_deaths_in_child() -> None:
+    _deaths.iterators = weakref.WeakSet()  # the parent's iterators are not the child's to guard
 
 
 def _unrecorded_next(cls: type) -> Callable[[Any], Any] | None:

@@ -258,17 +258,15 @@ def _shut_down_at_exit() -> None:
     cycle). Later, torch no longer stops workers, modules are half gone and the ledger's daemon thread
     is frozen with whatever lock it held: what the workers took could not go back.
 
-    Its workers are killed first, as multiprocessing would kill them next: one waiting in a source
-    for data never sees torch's stop, and torch would wait 5 s for each. What they reported goes
-    back; what they took unreported is recovered as a dead process's claim or consumer's entry (a
-    fed worker's is the feeder's to give back)."""
+    Its workers are stopped as torch stops them, not killed: the ledger tells those that wait in a
+    source to stop waiting (``stop_waits``), and a worker killed between reading a Redis entry and
+    reporting it would leave that entry pending under a dead consumer until ``claim_after`` (a CI
+    run: a trainer that trusted no root left one so). What they reported goes back; a fed worker's
+    is the feeder's to give back."""
     for it in list(_live):
         if getattr(it, "_tsl_pid", None) != os.getpid():
             continue
         try:
-            for w in getattr(it, "_workers", ()):
-                if w.is_alive():
-                    w.terminate()
             it._shutdown_workers()
         except Exception:  # one iterator's failure must not stop the others'
             logger.exception("could not shut a DataLoader iterator down at exit")

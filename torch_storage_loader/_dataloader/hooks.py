@@ -31,11 +31,11 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
 - The pin-memory thread: started when ``loader.pin_memory`` is true at the iterator's creation;
   ``torch.utils.data._utils.pin_memory.pin_memory`` hands back an object whose ``pin_memory()``
   returns itself.
-- torch's SIGCHLD handler: ``torch.utils.data._utils.signal_handling._set_SIGCHLD_handler`` sets it
-  once per process (torch calls it as each multi-process iterator starts), read back with
-  ``signal.getsignal``; its ``__module__`` tells it from another's: it raises a dead worker's error wherever the
-  trainer's thread is. While a ``StorageDataset``'s iterator lives, the handler is wrapped
-  (``_Deaths``) so that the error is raised only where that is safe; skipped where torch set none.
+- torch's SIGCHLD handler, which raises a dead worker's error wherever the trainer's thread is:
+  ``torch.utils.data._utils.signal_handling._set_SIGCHLD_handler`` sets it once per process (torch
+  calls it as each multi-process iterator starts); it is read back with ``signal.getsignal`` and
+  told from another's by its ``__module__``. While a ``StorageDataset``'s iterator lives, it is
+  wrapped (``_Deaths``) so that the error is raised only where that is safe.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
 
 Size: about 520 lines (310 of code), because every private torch touch lives here by rule

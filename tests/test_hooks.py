@@ -385,3 +385,69 @@ def test_a_workers_death_is_raised_at_the_trainers_next_not_inside_what_it_was_d
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal"):
         next(it)  # (torch's own check, 5 s on, would say "exited unexpectedly")
     del it
+
+
+def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatch):
+    """Ctrl-C lands wherever the trainer's thread is. Landing in the ledger between taking a
+    delivered item off what is owed and settling it, it once lost that item: raised out of
+    ``__next__``, the item never reached the trainer, and it was no longer owed, so nothing gave it
+    back. It is now held back to the next step, where it is raised before anything is handed over."""
+    import signal
+
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset, StorageQueue
+    from torch_storage_loader._dataloader.ledger import Ledger
+
+    q = StorageQueue()
+    for h in handles:
+        q.put(h)
+    q.close()
+    settle, fired = Ledger._settle, []
+
+    def settle_after_ctrl_c(self, ack, back, now=False):  # Ctrl-C comes as the first delivered item is settled
+        if ack and not fired:
+            fired.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return settle(self, ack, back, now)
+
+    monkeypatch.setattr(Ledger, "_settle", settle_after_ctrl_c)
+    batches: list = []
+    it = iter(DataLoader(StorageDataset(q, batch_size=4), batch_size=None, num_workers=2))
+    with pytest.raises(KeyboardInterrupt):
+        for batch in it:
+            batches.append(batch)  # (C: a Ctrl-C sent again lands after it, in the loop)
+    assert fired
+    got_first = len(batches)  # (not raised inside the step that settled the first item: the trainer got it)
+    del it  # what was not delivered goes back to the queue
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back once no iterator lives
+    monkeypatch.undo()
+    batches += list(DataLoader(StorageDataset(q, batch_size=4), batch_size=None, num_workers=2))
+    assert sorted({int(i) for b in batches for i in b["info"]["id"]}) == list(range(24))  # none lost
+    assert got_first
+    del batches
+
+
+def test_ctrl_c_while_the_trainer_waits_for_an_item_is_raised_at_once(handles):
+    """Held back inside a step, Ctrl-C is still raised at once where the trainer waits for the next
+    item (and a second Ctrl-C, while one is held back, is never held: a stuck step can be stopped)."""
+    import signal
+    import threading
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset, StorageQueue
+
+    q = StorageQueue()  # open and empty: the trainer waits
+    it = iter(DataLoader(StorageDataset(q), batch_size=None, num_workers=2))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert time.monotonic() - t0 < 10
+    timer.join()
+    del it
+    q.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

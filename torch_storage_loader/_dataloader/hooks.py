@@ -38,7 +38,7 @@ piece and the torch releases known to have it: loudly, never a silent fallback.
   wrapped (``_Deaths``) so that the error is raised only where that is safe.
 - ``torch.cuda._sleep``: a kernel that spins (tests and benchmarks keep a stream busy with it).
 
-Size: about 520 lines (310 of code), because every private torch touch lives here by rule
+Size: about 660 lines (330 of code), because every private torch touch lives here by rule
 (``tests/test_architecture.py``), each beside its check: split, private torch would have two homes.
 """
 
@@ -51,7 +51,6 @@ import inspect
 import logging
 import multiprocessing as mp
 import os
-import selectors
 import signal
 import sys
 import threading
@@ -68,6 +67,7 @@ from torch.utils.data._utils import signal_handling as _signal_handling
 
 from .._proc import after_fork_in_child
 from ..errors import PinThreadUnavailable, UnsupportedTorchError
+from .interrupts import SAFE_WAITS, interrupts
 from .ledger import Ledger, LedgerRef
 
 __all__ = [
@@ -329,10 +329,12 @@ def _delivering(cls: type) -> type:
         self._tsl_device = device = loader.dataset.device
         self._tsl_ledger = ledger = _open(loader)
         _deaths.guard(self)
+        interrupts.guard(self)
         try:
             with _receive_ahead(loader, device):
                 init(self, loader, *args, **kwargs)
         except BaseException:
+            interrupts.unguard(self)
             if ledger is not None:
                 self._tsl_ledger = None
                 ledger.close()
@@ -355,11 +357,12 @@ def _delivering(cls: type) -> type:
         if not first_iter:
             _Deaths.raise_deferred(self)  # (persistent workers: one died between epochs)
         ledger = getattr(self, "_tsl_ledger", None)
-        if ledger is not None and not first_iter:
-            ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
-        reset(self, loader, first_iter, *args, **kwargs)
-        if ledger is not None and not first_iter:
-            ledger.next_incarnation()
+        with interrupts.held():
+            if ledger is not None and not first_iter:
+                ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
+            reset(self, loader, first_iter, *args, **kwargs)
+            if ledger is not None and not first_iter:
+                ledger.next_incarnation()
 
     @functools.wraps(process)
     def _process_data(self, data, worker_idx, *args, **kwargs):
@@ -380,26 +383,29 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(next_)
     def __next__(self):
-        while True:
-            try:
-                _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
-                if unrecorded and self._IterableDataset_len_called is None and not profiling():
-                    out = unrecorded(self)
-                else:
-                    out = next_(self)
-            except BaseException:
+        with interrupts.held():
+            while True:
+                try:
+                    _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
+                    interrupts.raise_held()  # a Ctrl-C held back at the end of the last step
+                    if unrecorded and self._IterableDataset_len_called is None and not profiling():
+                        out = unrecorded(self)
+                    else:
+                        out = next_(self)
+                    interrupts.raise_held()  # before handed(): what was processed goes back
+                except BaseException:
+                    ledger = getattr(self, "_tsl_ledger", None)
+                    if ledger is not None:
+                        ledger.not_handed()  # processed, then the error: the trainer never got them
+                    raise
                 ledger = getattr(self, "_tsl_ledger", None)
                 if ledger is not None:
-                    ledger.not_handed()  # processed, then the error: the trainer never got them
-                raise
-            ledger = getattr(self, "_tsl_ledger", None)
-            if ledger is not None:
-                ledger.handed()  # not before: until here, a dead worker's error may still be raised
-            if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
-                return out
+                    ledger.handed()  # not before: until here, a dead worker's error may still be raised
+                if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
+                    return out  # (a Ctrl-C held back from here on is raised at the next step)
 
     # Kept here: at interpreter exit, module globals are gone before __del__ runs.
-    getframe, getpid, deaths = sys._getframe, os.getpid, _deaths
+    getframe, getpid, deaths, ctrl_c = sys._getframe, os.getpid, _deaths, interrupts
 
     @functools.wraps(shutdown)
     def _shutdown_workers(self):
@@ -407,16 +413,18 @@ def _delivering(cls: type) -> type:
             return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
-        try:
-            if ledger is not None:
-                ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
-            shutdown(self)
-        finally:
-            deaths.iterators.discard(self)  # not before: torch's shutdown puts to the workers' queues
-            ledger = getattr(self, "_tsl_ledger", None)
-            if ledger is not None:
-                self._tsl_ledger = None
-                ledger.close(exhausted)
+        with ctrl_c.held():  # a Ctrl-C lands once the workers are stopped and what they held settled
+            try:
+                if ledger is not None:
+                    ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
+                shutdown(self)
+            finally:
+                deaths.iterators.discard(self)  # not before: torch's shutdown puts to the workers' queues
+                ledger = getattr(self, "_tsl_ledger", None)
+                if ledger is not None:
+                    self._tsl_ledger = None
+                    ledger.close(exhausted)
+                ctrl_c.unguard(self)
 
     methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
     return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})
@@ -428,15 +436,6 @@ _NEXT_NAMES = frozenset(
     ("Iterable", "_DatasetKind", "_IterableDataset_len_called", "_dataset", "_dataset_kind", "_next_data")
     + ("_num_workers", "_num_yielded", "_profile_name", "_reset", "_sampler_iter", "autograd", "profiler")
     + ("record_function", "torch", "warn", "warnings")
-)
-
-
-# The selectors' waits (a multiprocessing queue's get, a connection's poll block in one): raised
-# there, an error unwinds through with-blocks and try/finally only.
-_SAFE_WAITS = frozenset(
-    c.select.__code__
-    for c in vars(selectors).values()
-    if isinstance(c, type) and issubclass(c, selectors.BaseSelector) and "select" in vars(c)
 )
 
 
@@ -474,7 +473,7 @@ class _Deaths:
             signal.signal(signal.SIGCHLD, _on_sigchld)
         self.iterators.add(iterator)
 
-    def on_signal(self, signum: int, frame: Any, safe: frozenset = _SAFE_WAITS) -> None:
+    def on_signal(self, signum: int, frame: Any, safe: frozenset = SAFE_WAITS) -> None:
         handler = self.torch_handler
         if handler is None:
             return

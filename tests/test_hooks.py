@@ -387,11 +387,22 @@ def test_a_workers_death_is_raised_at_the_trainers_next_not_inside_what_it_was_d
     del it
 
 
-def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt, as in a terminal (a suite run as a background job starts with it ignored)."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatch, ctrl_c_raises):
     """Ctrl-C lands wherever the trainer's thread is. Landing in the ledger between taking a
     delivered item off what is owed and settling it, it once lost that item: raised out of
     ``__next__``, the item never reached the trainer, and it was no longer owed, so nothing gave it
-    back. It is now held back to the next step, where it is raised before anything is handed over."""
+    back. It is now held back to the end of the step, and raised after it."""
+    import gc
     import signal
 
     from torch.utils.data import DataLoader
@@ -399,10 +410,9 @@ def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatc
     from torch_storage_loader import StorageDataset, StorageQueue
     from torch_storage_loader._dataloader.ledger import Ledger
 
-    q = StorageQueue()
+    q = StorageQueue()  # left open until the Ctrl-C: the trainer then waits where it is raised at once
     for h in handles:
         q.put(h)
-    q.close()
     settle, fired = Ledger._settle, []
 
     def settle_after_ctrl_c(self, ack, back, now=False):  # Ctrl-C comes as the first delivered item is settled
@@ -414,12 +424,16 @@ def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatc
     monkeypatch.setattr(Ledger, "_settle", settle_after_ctrl_c)
     batches: list = []
     it = iter(DataLoader(StorageDataset(q, batch_size=4), batch_size=None, num_workers=2))
-    with pytest.raises(KeyboardInterrupt):
-        for batch in it:
-            batches.append(batch)  # (C: a Ctrl-C sent again lands after it, in the loop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for batch in it:
+                batches.append(batch)  # (C: a Ctrl-C sent again lands after it)
+    finally:
+        q.close()
     assert fired
     got_first = len(batches)  # (not raised inside the step that settled the first item: the trainer got it)
     del it  # what was not delivered goes back to the queue
+    gc.collect()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back once no iterator lives
     monkeypatch.undo()
     batches += list(DataLoader(StorageDataset(q, batch_size=4), batch_size=None, num_workers=2))
@@ -428,9 +442,9 @@ def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatc
     del batches
 
 
-def test_ctrl_c_while_the_trainer_waits_for_an_item_is_raised_at_once(handles):
-    """Held back inside a step, Ctrl-C is still raised at once where the trainer waits for the next
-    item (and a second Ctrl-C, while one is held back, is never held: a stuck step can be stopped)."""
+def test_ctrl_c_while_the_trainer_waits_for_an_item_is_raised_at_once(ctrl_c_raises):
+    """Held back inside a step, Ctrl-C is still raised at once where the trainer waits for the next item."""
+    import gc
     import signal
     import threading
     import time
@@ -444,10 +458,41 @@ def test_ctrl_c_while_the_trainer_waits_for_an_item_is_raised_at_once(handles):
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        next(it)
-    assert time.monotonic() - t0 < 10
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert time.monotonic() - t0 < 10
+    finally:
+        q.close()
+        timer.join()
     del it
-    q.close()
+    gc.collect()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_handler_that_chains_to_the_one_it_replaced_does_not_loop(handles, ctrl_c_raises):
+    """A handler set while an iterator lives that calls the one it replaced (ours), wrapped in turn
+    by the next iterator, would call itself through ours for ever: the chain ends at Python's."""
+    import gc
+    import signal
+
+    from torch.utils.data import DataLoader
+
+    from torch_storage_loader import StorageDataset
+
+    calls = []
+    first = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=1))
+    previous = signal.getsignal(signal.SIGINT)
+
+    def mine(signum, frame):
+        calls.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, mine)
+    second = iter(DataLoader(StorageDataset(handles), batch_size=None, num_workers=1))
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+        sum(range(10))  # (the handler runs here, outside any step)
+    assert calls == [signal.SIGINT]
+    del first, second
+    gc.collect()

@@ -357,12 +357,14 @@ def _delivering(cls: type) -> type:
         if not first_iter:
             _Deaths.raise_deferred(self)  # (persistent workers: one died between epochs)
         ledger = getattr(self, "_tsl_ledger", None)
-        with interrupts.held():
+        try:
             if ledger is not None and not first_iter:
                 ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
             reset(self, loader, first_iter, *args, **kwargs)
             if ledger is not None and not first_iter:
                 ledger.next_incarnation()
+        finally:
+            interrupts.leave()  # (a step: a Ctrl-C inside waits for its end)
 
     @functools.wraps(process)
     def _process_data(self, data, worker_idx, *args, **kwargs):
@@ -383,7 +385,7 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(next_)
     def __next__(self):
-        with interrupts.held():
+        try:
             while True:
                 try:
                     _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
@@ -402,7 +404,9 @@ def _delivering(cls: type) -> type:
                 if ledger is not None:
                     ledger.handed()  # not before: until here, a dead worker's error may still be raised
                 if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
-                    return out  # (a Ctrl-C held back from here on is raised at the next step)
+                    return out
+        finally:
+            interrupts.leave()  # a Ctrl-C held back from handed() on is sent again, to land after the return
 
     # Kept here: at interpreter exit, module globals are gone before __del__ runs.
     getframe, getpid, deaths, ctrl_c = sys._getframe, os.getpid, _deaths, interrupts
@@ -413,18 +417,23 @@ def _delivering(cls: type) -> type:
             return  # worker): the workers and the ledger are the trainer's, to stop and settle there only
         exhausted = getframe(1).f_code.co_name == "_next_data"  # the one call made at the end of the data
         ledger = getattr(self, "_tsl_ledger", None)
-        with ctrl_c.held():  # a Ctrl-C lands once the workers are stopped and what they held settled
-            try:
-                if ledger is not None:
-                    ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
-                shutdown(self)
-            finally:
-                deaths.iterators.discard(self)  # not before: torch's shutdown puts to the workers' queues
-                ledger = getattr(self, "_tsl_ledger", None)
-                if ledger is not None:
-                    self._tsl_ledger = None
-                    ledger.close(exhausted)
-                ctrl_c.unguard(self)
+        try:
+            if ledger is not None:
+                ledger.stop_waits()  # workers stop waiting for handles, and exit when told to
+            shutdown(self)
+        finally:
+            deaths.iterators.discard(self)  # not before: torch's shutdown puts to the workers' queues
+            ledger = getattr(self, "_tsl_ledger", None)
+            if ledger is not None:
+                self._tsl_ledger = None
+                ledger.close(exhausted)
+            ctrl_c.unguard(self)
+            ctrl_c.leave()  # a Ctrl-C held back lands once the workers stopped and what they held was settled
+
+    # Steps where a Ctrl-C waits (see interrupts): taking an item, and starting or stopping the workers.
+    interrupts.section(__next__, waits=True)
+    interrupts.section(_reset, waits=False)
+    interrupts.section(_shutdown_workers, waits=False)
 
     methods = {f.__name__: f for f in (__init__, _reset, _process_data, __next__, _shutdown_workers)}
     return type(f"Delivering{cls.__name__}", (cls,), {"__module__": __name__, **methods})

@@ -3,14 +3,14 @@
 Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread. Inside a
 DataLoader iterator's step that can leave a ``multiprocessing`` queue's lock held by no one (the
 shutdown that follows waits on it for ever) or a sample taken off the delivery ledger and not yet
-settled (lost). ``hooks`` marks the steps (``held``); here the SIGINT handler is wrapped so that a
-Ctrl-C inside one waits for a safe point, and runs at once where the thread only waits.
+settled (lost). ``hooks`` names its steps' functions (``section``); here the SIGINT handler is
+wrapped so that a Ctrl-C inside one waits for a safe point, and runs at once where the trainer
+only waits for its next item.
 """
 
 from __future__ import annotations
 
 import _thread
-import contextlib
 import functools
 import os
 import selectors
@@ -18,7 +18,8 @@ import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
 from .._proc import after_fork_in_child
@@ -43,19 +44,22 @@ class Interrupts:
     SIGCHLD error (``hooks._Deaths``): inside ``multiprocessing.Queue.put`` between taking the
     queue's lock and the ``with`` that releases it (the iterator's shutdown then waits for ever on
     that lock), or between the ledger taking items off what is owed and settling them (a sample
-    lost: a test saw 4 of 24 go that way). So while
-    such an iterator lives, the SIGINT handler (Python's, or one the user set) is wrapped: inside
-    ``__next__`` or the workers' shutdown (``held``) it runs at once only where the thread waits (a
-    selector, a condition: what is unwound there is ``with`` blocks), else it is held back to the
-    step's next safe point (before the items processed are handed over: they go back), or sent
-    again as the step ends. A second Ctrl-C while one is held runs at once: a step that hangs can
-    still be stopped. With no such iterator, the handler is the one it wrapped again."""
+    lost: a test saw 4 of 24 go that way). So while such an iterator lives, the SIGINT handler
+    (Python's, or one the user set) is wrapped. A Ctrl-C whose frames run through a step's function
+    (``section``) is held back, except where the step only waits for the next item (a selector, a
+    condition, in ``__next__``): there it runs at once. One held back runs at the step's next safe
+    point (``raise_held``: before the items processed are handed over, so they go back), or is sent
+    again as the outermost step ends (``leave``), to land after it. A second Ctrl-C while one is
+    held runs at once, so a step that hangs can still be stopped. Whether the thread is in a step
+    is read off the frames as the signal comes, so nothing is counted per step. With no such
+    iterator left, the handler is the one it wrapped again."""
 
     def __init__(self) -> None:
         self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         self.handler: Callable[[int, Any], Any] | None = None  # the handler wrapped
-        self.depth = 0  # the trainer's thread is this deep in held sections
         self.pending = False  # a Ctrl-C was held back
+        self._sections: dict[CodeType, bool] = {}  # a step's function -> whether its waits let Ctrl-C through
+        self._calling = False  # the wrapped handler runs (one that chains back to ours must not loop)
         # Kept here: at interpreter exit, module globals are gone before an iterator's __del__ runs.
         current, main, start, kill, getpid, sigint = (
             threading.current_thread,
@@ -69,11 +73,17 @@ class Interrupts:
         self._resend = lambda: start(kill, (getpid(), sigint))
         self._getsignal = functools.partial(signal.getsignal, signal.SIGINT)
         self._setsignal = functools.partial(signal.signal, signal.SIGINT)
+        self._default = signal.default_int_handler
         self._wrapper: Callable[[int, Any], None] | None = None  # _on_sigint, once set
+
+    def section(self, function: Callable[..., Any], *, waits: bool) -> None:
+        """Name ``function`` a step: a Ctrl-C while it runs is held back. ``waits``: except where
+        the thread waits in a selector or a condition (the trainer waiting for the next item)."""
+        self._sections[function.__code__] = waits
 
     def guard(self, iterator: Any) -> None:
         """Wrap the SIGINT handler (a Python one: not ignored or the system's default) for ``iterator``."""
-        if threading.current_thread() is not threading.main_thread():
+        if not self._on_main():
             return  # signals are handled on the main thread only, and signal.signal works there only
         current = signal.getsignal(signal.SIGINT)
         if current is not _on_sigint:
@@ -91,42 +101,56 @@ class Interrupts:
         if self._wrapper is not None and self._getsignal() is self._wrapper and self.handler is not None:
             self._setsignal(self.handler)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """A section of the trainer's thread where Ctrl-C waits for a safe point; one held back when
-        the outermost section ends is sent again (to land after it)."""
-        if not self._on_main():
-            yield
-            return
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth and self.pending:
-                self.pending = False
-                # From a thread: it lands once this thread lets go of the GIL, in the trainer's own code
-                # (threading.Thread would wait here for its start, where it would land inside this).
-                try:
-                    self._resend()
-                except RuntimeError:  # no new thread as the interpreter exits: nothing left to stop
-                    pass
-
-    def raise_held(self) -> None:
-        """At a safe point of a held section: run the handler of a Ctrl-C held back (it raises)."""
-        if self.pending and self.handler is not None:
-            self.pending = False
-            self.handler(signal.SIGINT, sys._getframe(1))
-
-    def on_signal(self, signum: int, frame: Any, safe: frozenset = SAFE_WAITS | _CONDITION_WAIT) -> None:
-        handler = self.handler
-        if handler is None:
-            return
-        if self.depth and not self.pending and not (frame is not None and frame.f_code in safe):
-            self.pending = True
+    def leave(self) -> None:
+        """A step's function returns or raises: a Ctrl-C held back is sent again, to land after it,
+        once no step encloses the caller (called last in the step, in a ``finally``)."""
+        if not self.pending or not self._on_main() or self._section(sys._getframe(2)) is not None:
             return
         self.pending = False
-        handler(signum, frame)
+        # From a thread: it lands once this thread lets go of the GIL, in the trainer's own code
+        # (threading.Thread would wait here for its start, where it would land inside this).
+        try:
+            self._resend()
+        except RuntimeError:  # no thread to be had: kept for the next step's safe point
+            self.pending = True
+
+    def raise_held(self) -> None:
+        """At a safe point of a step: run the handler of a Ctrl-C held back (it raises)."""
+        if self.pending and self._on_main():
+            self.pending = False
+            self._call(signal.SIGINT, sys._getframe(1))
+
+    def on_signal(self, signum: int, frame: FrameType | None, safe: frozenset = SAFE_WAITS | _CONDITION_WAIT) -> None:
+        if self.handler is None:
+            return
+        if self._calling:  # a handler set after ours called ours back: Python's own ends the chain
+            self._default(signum, frame)
+            return
+        if not self.pending:
+            waits = self._section(frame)
+            if waits is not None and not (waits and frame is not None and frame.f_code in safe):
+                self.pending = True
+                return
+        self.pending = False
+        self._call(signum, frame)
+
+    def _call(self, signum: int, frame: FrameType | None) -> None:
+        assert self.handler is not None
+        self._calling = True
+        try:
+            self.handler(signum, frame)
+        finally:
+            self._calling = False
+
+    def _section(self, frame: FrameType | None) -> bool | None:
+        """The innermost step ``frame`` runs in (its ``waits``), or None: in none."""
+        sections = self._sections
+        while frame is not None:
+            waits = sections.get(frame.f_code)
+            if waits is not None:
+                return waits
+            frame = frame.f_back
+        return None
 
 
 interrupts = Interrupts()
@@ -138,4 +162,4 @@ def _on_sigint(signum: int, frame: Any, interrupts: Interrupts = interrupts) -> 
 
 @after_fork_in_child
 def _none_held_in_child() -> None:
-    interrupts.iterators, interrupts.depth, interrupts.pending = weakref.WeakSet(), 0, False
+    interrupts.iterators, interrupts.pending, interrupts._calling = weakref.WeakSet(), False, False

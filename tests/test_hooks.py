@@ -401,7 +401,7 @@ def test_ctrl_c_inside_the_ledgers_bookkeeping_loses_nothing(handles, monkeypatc
     """Ctrl-C lands wherever the trainer's thread is. Landing in the ledger between taking a
     delivered item off what is owed and settling it, it once lost that item: raised out of
     ``__next__``, the item never reached the trainer, and it was no longer owed, so nothing gave it
-    back. It is now held back to the end of the step, and raised after it."""
+    back. It is now held back, and raised after the step (or at the next one's start)."""
     import gc
     import signal
 
@@ -496,3 +496,7 @@ def test_a_sigint_handler_that_chains_to_the_one_it_replaced_does_not_loop(handl
     assert calls == [signal.SIGINT]
     del first, second
     gc.collect()
+    with pytest.raises(KeyboardInterrupt):  # theirs is kept, and still ends where it did: once each
+        signal.raise_signal(signal.SIGINT)
+        sum(range(10))
+    assert calls == [signal.SIGINT, signal.SIGINT]

@@ -357,14 +357,11 @@ def _delivering(cls: type) -> type:
         if not first_iter:
             _Deaths.raise_deferred(self)  # (persistent workers: one died between epochs)
         ledger = getattr(self, "_tsl_ledger", None)
-        try:
-            if ledger is not None and not first_iter:
-                ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
-            reset(self, loader, first_iter, *args, **kwargs)
-            if ledger is not None and not first_iter:
-                ledger.next_incarnation()
-        finally:
-            interrupts.leave()  # (a step: a Ctrl-C inside waits for its end)
+        if ledger is not None and not first_iter:
+            ledger.end_iteration()  # workers leave the last one, to take torch's message to start anew
+        reset(self, loader, first_iter, *args, **kwargs)
+        if ledger is not None and not first_iter:
+            ledger.next_incarnation()
 
     @functools.wraps(process)
     def _process_data(self, data, worker_idx, *args, **kwargs):
@@ -385,28 +382,25 @@ def _delivering(cls: type) -> type:
 
     @functools.wraps(next_)
     def __next__(self):
-        try:
-            while True:
-                try:
-                    _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
-                    interrupts.raise_held()  # a Ctrl-C held back at the end of the last step
-                    if unrecorded and self._IterableDataset_len_called is None and not profiling():
-                        out = unrecorded(self)
-                    else:
-                        out = next_(self)
-                    interrupts.raise_held()  # before handed(): what was processed goes back
-                except BaseException:
-                    ledger = getattr(self, "_tsl_ledger", None)
-                    if ledger is not None:
-                        ledger.not_handed()  # processed, then the error: the trainer never got them
-                    raise
+        while True:
+            try:
+                _Deaths.raise_deferred(self)  # a worker's death noticed where raising was not safe
+                interrupts.raise_held()  # a Ctrl-C held back since the last step
+                if unrecorded and self._IterableDataset_len_called is None and not profiling():
+                    out = unrecorded(self)
+                else:
+                    out = next_(self)
+                interrupts.raise_held()  # before handed(): what was processed goes back
+            except BaseException:
                 ledger = getattr(self, "_tsl_ledger", None)
                 if ledger is not None:
-                    ledger.handed()  # not before: until here, a dead worker's error may still be raised
-                if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
-                    return out
-        finally:
-            interrupts.leave()  # a Ctrl-C held back from handed() on is sent again, to land after the return
+                    ledger.not_handed()  # processed, then the error: the trainer never got them
+                raise
+            ledger = getattr(self, "_tsl_ledger", None)
+            if ledger is not None:
+                ledger.handed()  # not before: until here, a dead worker's error may still be raised
+            if type(out) is not Undelivered:  # (skipped under on_error="skip": the next item instead)
+                return out  # (a Ctrl-C held back from handed() on lands just after this return)
 
     # Kept here: at interpreter exit, module globals are gone before __del__ runs.
     getframe, getpid, deaths, ctrl_c = sys._getframe, os.getpid, _deaths, interrupts
@@ -428,7 +422,6 @@ def _delivering(cls: type) -> type:
                 self._tsl_ledger = None
                 ledger.close(exhausted)
             ctrl_c.unguard(self)
-            ctrl_c.leave()  # a Ctrl-C held back lands once the workers stopped and what they held was settled
 
     # Steps where a Ctrl-C waits (see interrupts): taking an item, and starting or stopping the workers.
     interrupts.section(__next__, waits=True)

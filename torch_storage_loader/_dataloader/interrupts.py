@@ -17,6 +17,7 @@ import selectors
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -37,6 +38,9 @@ SAFE_WAITS = frozenset(
 _CONDITION_WAIT = frozenset((threading.Condition.wait.__code__,))  # a queue.Queue's get (the pin-memory thread's)
 
 
+RESEND_S = 0.02  # how often a Ctrl-C held back is sent again, until it lands where it may be raised
+
+
 class Interrupts:
     """Ctrl-C held back while the trainer's thread is inside a ``StorageDataset`` iterator's step.
 
@@ -48,11 +52,13 @@ class Interrupts:
     (Python's, or one the user set) is wrapped. A Ctrl-C whose frames run through a step's function
     (``section``) is held back, except where the step only waits for the next item (a selector, a
     condition, in ``__next__``): there it runs at once. One held back runs at the step's next safe
-    point (``raise_held``: before the items processed are handed over, so they go back), or is sent
-    again as the outermost step ends (``leave``), to land after it. A second Ctrl-C while one is
-    held runs at once, so a step that hangs can still be stopped. Whether the thread is in a step
-    is read off the frames as the signal comes, so nothing is counted per step. With no such
-    iterator left, the handler is the one it wrapped again."""
+    point (``raise_held``: before the items processed are handed over, so they go back), and a
+    thread sends it again every ``RESEND_S`` until it lands where it may run: that wait, or the
+    trainer's own code once the step is over. A second Ctrl-C while one is held runs at once, so a
+    step that hangs can still be stopped (inside a ``__del__``, where Python would swallow it, it
+    also stays held, to land after). Whether the thread is in a step is read off the frames as the
+    signal comes: nothing is counted per step. With no such iterator left, the handler is the one
+    it wrapped again."""
 
     def __init__(self) -> None:
         self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -60,17 +66,11 @@ class Interrupts:
         self.pending = False  # a Ctrl-C was held back
         self._sections: dict[CodeType, bool] = {}  # a step's function -> whether its waits let Ctrl-C through
         self._calling = False  # the wrapped handler runs (one that chains back to ours must not loop)
+        self._resent = False  # the signal coming is the resending thread's, not a second Ctrl-C
+        self._resending = False  # that thread runs
         # Kept here: at interpreter exit, module globals are gone before an iterator's __del__ runs.
-        current, main, start, kill, getpid, sigint = (
-            threading.current_thread,
-            threading.main_thread,
-            _thread.start_new_thread,
-            os.kill,
-            os.getpid,
-            signal.SIGINT,
-        )
+        current, main = threading.current_thread, threading.main_thread
         self._on_main = lambda: current() is main()
-        self._resend = lambda: start(kill, (getpid(), sigint))
         self._getsignal = functools.partial(signal.getsignal, signal.SIGINT)
         self._setsignal = functools.partial(signal.signal, signal.SIGINT)
         self._default = signal.default_int_handler
@@ -82,11 +82,14 @@ class Interrupts:
         self._sections[function.__code__] = waits
 
     def guard(self, iterator: Any) -> None:
-        """Wrap the SIGINT handler (a Python one: not ignored or the system's default) for ``iterator``."""
+        """Wrap the SIGINT handler (a Python one: not ignored or the system's default) for ``iterator``.
+
+        Wrapped once while iterators live: a handler the user sets meanwhile is theirs (it may call
+        ours, which calls the one it wrapped), never wrapped in turn."""
         if not self._on_main():
             return  # signals are handled on the main thread only, and signal.signal works there only
         current = signal.getsignal(signal.SIGINT)
-        if current is not _on_sigint:
+        if current is not _on_sigint and not self.iterators:
             if not callable(current):
                 return  # SIG_IGN, SIG_DFL, or set outside Python: Ctrl-C raises nothing to hold back
             self.handler, self._wrapper = current, _on_sigint
@@ -101,19 +104,6 @@ class Interrupts:
         if self._wrapper is not None and self._getsignal() is self._wrapper and self.handler is not None:
             self._setsignal(self.handler)
 
-    def leave(self) -> None:
-        """A step's function returns or raises: a Ctrl-C held back is sent again, to land after it,
-        once no step encloses the caller (called last in the step, in a ``finally``)."""
-        if not self.pending or not self._on_main() or self._section(sys._getframe(2)) is not None:
-            return
-        self.pending = False
-        # From a thread: it lands once this thread lets go of the GIL, in the trainer's own code
-        # (threading.Thread would wait here for its start, where it would land inside this).
-        try:
-            self._resend()
-        except RuntimeError:  # no thread to be had: kept for the next step's safe point
-            self.pending = True
-
     def raise_held(self) -> None:
         """At a safe point of a step: run the handler of a Ctrl-C held back (it raises)."""
         if self.pending and self._on_main():
@@ -123,13 +113,19 @@ class Interrupts:
     def on_signal(self, signum: int, frame: FrameType | None, safe: frozenset = SAFE_WAITS | _CONDITION_WAIT) -> None:
         if self.handler is None:
             return
-        if self._calling:  # a handler set after ours called ours back: Python's own ends the chain
+        if self._calling:  # a handler set after ours called ours back: the one first wrapped ends the chain
             self._default(signum, frame)
             return
-        if not self.pending:
-            waits = self._section(frame)
-            if waits is not None and not (waits and frame is not None and frame.f_code in safe):
+        resent, self._resent = self._resent, False
+        waits, in_del = self._section(frame)
+        if waits is not None and not (waits and frame is not None and frame.f_code in safe):
+            if not self.pending or resent:  # held (again) for a safe point
                 self.pending = True
+                self._resend_while_held()
+                return
+            if in_del:  # a second Ctrl-C inside a __del__: stop what hangs there, and land after it too
+                self._resend_while_held()
+                self._call(signum, frame)
                 return
         self.pending = False
         self._call(signum, frame)
@@ -142,15 +138,41 @@ class Interrupts:
         finally:
             self._calling = False
 
-    def _section(self, frame: FrameType | None) -> bool | None:
-        """The innermost step ``frame`` runs in (its ``waits``), or None: in none."""
-        sections = self._sections
+    def _section(self, frame: FrameType | None) -> tuple[bool | None, bool]:
+        """The innermost step ``frame`` runs in (its ``waits``, or None: in none), and whether a
+        ``__del__`` runs it."""
+        sections, waits = self._sections, None
         while frame is not None:
-            waits = sections.get(frame.f_code)
-            if waits is not None:
-                return waits
+            if waits is None:
+                waits = sections.get(frame.f_code)
+            elif frame.f_code.co_name == "__del__":
+                return waits, True
             frame = frame.f_back
-        return None
+        return waits, False
+
+    def _resend_while_held(self) -> None:
+        """Start the thread that sends a held Ctrl-C again until it lands (one at a time)."""
+        if not self._resending:
+            self._resending = True
+            try:
+                _thread.start_new_thread(self._resend, (os.getpid(), signal.SIGINT, os.kill, time.sleep))
+            except RuntimeError:  # no thread to be had (the interpreter exits): the next safe point raises it
+                self._resending = False
+
+    def _resend(self, pid: int, sigint: int, kill: Callable[[int, int], None], sleep: Callable[[float], None]) -> None:
+        while True:
+            while self.pending:
+                sleep(RESEND_S)
+                if not self.pending:
+                    break
+                if self._getsignal() is not self._wrapper:  # ours was put back, or replaced: theirs takes it
+                    self.pending = False
+                self._resent = True
+                kill(pid, sigint)
+            self._resending = False
+            if not self.pending:
+                return
+            self._resending = True  # held again as this thread was leaving: it goes on
 
 
 interrupts = Interrupts()
@@ -163,3 +185,4 @@ def _on_sigint(signum: int, frame: Any, interrupts: Interrupts = interrupts) -> 
 @after_fork_in_child
 def _none_held_in_child() -> None:
     interrupts.iterators, interrupts.pending, interrupts._calling = weakref.WeakSet(), False, False
+    interrupts._resent = interrupts._resending = False

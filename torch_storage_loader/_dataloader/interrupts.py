@@ -111,13 +111,21 @@ class Interrupts:
             self._call(signal.SIGINT, sys._getframe(1))
 
     def on_signal(self, signum: int, frame: FrameType | None, safe: frozenset = SAFE_WAITS | _CONDITION_WAIT) -> None:
+        resent, self._resent = self._resent, False
         if self.handler is None:
             return
         if self._calling:  # a handler set after ours called ours back: the one first wrapped ends the chain
             self._default(signum, frame)
             return
-        resent, self._resent = self._resent, False
+        if self._getsignal() is not self._wrapper:  # called from a handler set after ours: held, it would
+            self.pending = False  # be sent through that one again, each time
+            self._call(signum, frame)
+            return
         waits, in_del = self._section(frame)
+        if resent and in_del:  # a held one must not land in a __del__, where Python would swallow it
+            self._resend_while_held()
+            self.pending = True
+            return
         if waits is not None and not (waits and frame is not None and frame.f_code in safe):
             if not self.pending or resent:  # held (again) for a safe point
                 self.pending = True
@@ -140,15 +148,15 @@ class Interrupts:
 
     def _section(self, frame: FrameType | None) -> tuple[bool | None, bool]:
         """The innermost step ``frame`` runs in (its ``waits``, or None: in none), and whether a
-        ``__del__`` runs it."""
-        sections, waits = self._sections, None
+        ``__del__`` is among its callers."""
+        sections, waits, in_del = self._sections, None, False
         while frame is not None:
             if waits is None:
                 waits = sections.get(frame.f_code)
-            elif frame.f_code.co_name == "__del__":
-                return waits, True
+            if frame.f_code.co_name == "__del__":
+                in_del = True
             frame = frame.f_back
-        return waits, False
+        return waits, in_del
 
     def _resend_while_held(self) -> None:
         """Start the thread that sends a held Ctrl-C again until it lands (one at a time)."""
@@ -163,10 +171,14 @@ class Interrupts:
         while True:
             while self.pending:
                 sleep(RESEND_S)
-                if not self.pending:
+                if not self.pending or self._calling:  # (a handler running: it is not sent into it)
+                    continue
+                installed = self._getsignal()
+                if installed is not self._wrapper:
+                    self.pending = False  # ours is gone: the one it wrapped, put back, takes it once
+                    if installed is self.handler:
+                        kill(pid, sigint)
                     break
-                if self._getsignal() is not self._wrapper:  # ours was put back, or replaced: theirs takes it
-                    self.pending = False
                 self._resent = True
                 kill(pid, sigint)
             self._resending = False
